@@ -1,0 +1,29 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/sglang-sidecar demo
+
+test: $(STAMP)
+	$(BIN)/ruff check sidecar tests bench
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check sidecar tests bench
+	$(BIN)/ruff format --check sidecar tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

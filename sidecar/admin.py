@@ -1,0 +1,219 @@
+"""The sidecar's own endpoints: state, explain, policy reload, health, readiness and metrics.
+
+These are off the data path, so FastAPI's conveniences (validation, OpenAPI at /admission/docs) cost
+nothing that matters. ``/healthz`` never looks at the engine: a liveness probe that follows a
+dependency restarts the sidecar for the engine's outage.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sidecar.cost import request_cost
+from sidecar.policy import PolicyError, load_policy_text
+from sidecar.proxy import decision_body
+from sidecar.requests import BadRequest, parse_explain
+
+if TYPE_CHECKING:
+    from sidecar.app import SidecarApp
+
+ADMIN_PATHS = frozenset(
+    {
+        "/admission/state",
+        "/admission/explain",
+        "/admission/policy",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/admission/docs",
+        "/admission/openapi.json",
+    }
+)
+
+
+def _err(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "sidecar_error", "code": code, "param": None}}, status
+    )
+
+
+def state(app: SidecarApp) -> dict[str, Any]:
+    """The brief's /admission/state: unknown values are null, never 0."""
+    a, now = app.admission, app.clock()
+    snap, ledger = a.snapshot, a.ledger.totals
+    e, g = snap.engine, snap.gpu
+    from sidecar.gate import headroom_bytes
+
+    return {
+        "mode": "shadow" if a.shadow else "enforce",
+        "gate_open": app.gate_open(),
+        "draining": a.draining,
+        "headroom_bytes": headroom_bytes(a.policy, snap, ledger),
+        "engine": {
+            "running_requests": e.running_requests if e else None,
+            "queue_requests": e.queue_requests if e else None,
+            "full_token_usage": e.full_token_usage if e else None,
+            "swa_token_usage": e.swa_token_usage if e else None,
+            "mamba_usage": e.mamba_usage if e else None,
+            "kv_available_tokens": e.kv_available_tokens if e else None,
+            "mamba_available_slots": e.mamba_available_slots if e else None,
+            "pending_prefill_tokens": e.pending_prefill_tokens if e else None,
+            "chunked_prefill_size": e.chunked_prefill_size if e else None,
+            "version": e.version if e else None,
+            "sources": list(e.sources) if e else [],
+            "age_s": snap.engine_age(now),
+            "consecutive_failures": snap.engine_health.consecutive_failures,
+            "last_error": snap.engine_health.last_error,
+            "on_stale": a.policy.engine.on_stale.value,
+        },
+        "gpu": {
+            "free_bytes": g.free_bytes if g else None,
+            "total_bytes": g.total_bytes if g else None,
+            "source": g.source if g else (app.gpu_source.spec if app.gpu_source else None),
+            "devices": [
+                {"id": d.ident, "free_bytes": d.free_bytes, "total_bytes": d.total_bytes}
+                for d in (g.devices if g else ())
+            ],
+            "age_s": snap.gpu_age(now),
+            "consecutive_failures": snap.gpu_health.consecutive_failures,
+            "last_error": snap.gpu_health.last_error,
+            "required": a.policy.gpu.required,
+            "on_stale": a.policy.gpu.on_stale.value,
+        },
+        "ledger": {
+            "requests": ledger.requests,
+            "prefill_tokens": ledger.prefill_tokens,
+            "kv_tokens": ledger.kv_tokens,
+            "projected_bytes": ledger.projected_bytes,
+            "mamba_slots": ledger.mamba_slots,
+        },
+        "queue": {
+            "held": a.held,
+            "oldest_wait_s": a.oldest_wait_s(),
+            "max_held": a.policy.hold.max_held,
+            "max_wait_s": a.policy.hold.max_wait_s,
+        },
+        "policy": {"name": a.policy.name, "sha256": a.loaded.sha256, "path": a.loaded.path},
+    }
+
+
+def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
+    api = FastAPI(
+        title="sglang-sidecar admin",
+        docs_url="/admission/docs",
+        openapi_url="/admission/openapi.json",
+        redoc_url=None,
+    )
+
+    @api.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/readyz")
+    async def readyz() -> JSONResponse:
+        a, now = app.admission, app.clock()
+        snap = a.snapshot
+        problems = []
+        if a.draining:
+            problems.append("draining")
+        if snap.engine_health.consecutive_failures:
+            problems.append(f"engine unreachable: {snap.engine_health.last_error}")
+        age = snap.engine_age(now)
+        if age is None or age > a.policy.engine.max_age_s:
+            problems.append("engine signals " + ("never read" if age is None else f"stale ({age:.1f}s)"))
+        if a.policy.gpu.required:
+            gage = snap.gpu_age(now)
+            if gage is None or gage > a.policy.gpu.max_age_s:
+                problems.append("gpu signals " + ("never read" if gage is None else f"stale ({gage:.1f}s)"))
+        return JSONResponse({"ready": not problems, "problems": problems}, 503 if problems else 200)
+
+    @api.get("/admission/state")
+    async def get_state() -> dict[str, Any]:
+        return state(app)
+
+    @api.post("/admission/explain")
+    async def explain(request: Request) -> JSONResponse:
+        a = app.admission
+        body = await request.body()
+        try:
+            req = parse_explain(
+                body,
+                dict(request.headers),
+                max_body_bytes=a.policy.limits.max_body_bytes,
+                path=request.query_params.get("path"),
+            )
+        except BadRequest as e:
+            return _err(e.status, e.message, e.code)
+        count = await app.counter.count(req)
+        cost = request_cost(
+            a.policy,
+            count.tokens,
+            exact=count.exact,
+            cached_tokens=req.declared_cached_tokens or 0,
+            max_new_tokens=req.max_new_tokens,
+            priority=req.priority,
+            chunk=app._chunk_hint(),
+        )
+        d = a.evaluate(cost)
+        out = decision_body(d, cost.prompt_tokens, cost.projected_bytes)
+        out |= {
+            "count_method": count.method,
+            "exact": count.exact,
+            "uncached_tokens": cost.uncached_tokens,
+            "held_ahead": a.held,
+            "policy": a.policy.name,
+        }
+        return JSONResponse(out)
+
+    @api.post("/admission/policy")
+    async def put_policy(request: Request) -> JSONResponse:
+        if admin_token is None:
+            return _err(403, "policy upload is disabled: start with --admin-token-file", "disabled")
+        auth = request.headers.get("authorization", "")
+        if not hmac.compare_digest(auth.encode(), f"Bearer {admin_token}".encode()):
+            return _err(401, "missing or wrong bearer token", "unauthorized")
+        text = (await request.body()).decode("utf-8", errors="replace")
+        try:
+            loaded = load_policy_text(text, "<POST /admission/policy>")
+        except PolicyError as e:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": str(e),
+                        "type": "policy_invalid",
+                        "code": "policy_invalid",
+                        "param": None,
+                    },
+                    "problems": e.problems,
+                    "kept": app.admission.policy.name,
+                },
+                422,
+            )
+        try:
+            app.apply_policy(loaded)
+        except PolicyError as e:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": str(e),
+                        "type": "policy_invalid",
+                        "code": "policy_invalid",
+                        "param": None,
+                    },
+                    "problems": e.problems,
+                    "kept": app.admission.policy.name,
+                },
+                422,
+            )
+        return JSONResponse({"name": loaded.policy.name, "sha256": loaded.sha256})
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(app.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return api

@@ -1,0 +1,254 @@
+"""`sglang-sidecar` (also `python -m sidecar`): serve, check-policy, demo, emulate, replay.
+
+argparse gives the command structure and --help; `serve`'s options are validated by the pydantic
+Settings model, which also reads each option from its ``SIDECAR_*`` environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from sidecar.policy import PolicyError, load_policy_file
+
+EXIT_USAGE = 2
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "serve",
+        help="run the admission proxy in front of one SGLang server",
+        description="Run the admission proxy. Every option can also be set by its environment variable; "
+        "a flag wins over the environment.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="GPU sources: nvml (all devices) | nvml:<uuid>[,<uuid>...] | dcgm:<url of dcgm-exporter "
+        '/metrics>[#<uuid>,...] | file:<path to {"free_bytes":N,"total_bytes":N}>\n'
+        "Reload the policy with SIGHUP or POST /admission/policy (bearer token).",
+    )
+    opt = p.add_argument
+    opt("--upstream", metavar="URL", help="SGLang base URL, e.g. http://127.0.0.1:30000 [SIDECAR_UPSTREAM]")
+    opt(
+        "--listen", metavar="HOST:PORT", help="address to listen on (default 127.0.0.1:8001) [SIDECAR_LISTEN]"
+    )
+    opt("--policy", metavar="FILE", help="lane policy YAML, see policies/ [SIDECAR_POLICY]")
+    opt("--gpu-source", metavar="SPEC", help="where free GPU memory is read [SIDECAR_GPU_SOURCE]")
+    opt(
+        "--mode",
+        choices=["enforce", "shadow"],
+        help="shadow: decide and record, always forward [SIDECAR_MODE]",
+    )
+    opt(
+        "--admin-token-file",
+        metavar="FILE",
+        help="bearer token for POST /admission/policy [SIDECAR_ADMIN_TOKEN_FILE]",
+    )
+    opt(
+        "--decision-log",
+        metavar="FILE",
+        help="append decision JSON lines here (default stderr) [SIDECAR_DECISION_LOG]",
+    )
+    opt("--max-connections", type=int, metavar="N", help="upstream connection pool size (default 1024)")
+    opt(
+        "--upstream-read-timeout-s",
+        type=float,
+        metavar="S",
+        help="max gap between upstream bytes (default 1800)",
+    )
+    opt("--drain-timeout-s", type=float, metavar="S", help="SIGTERM: time for in-flight streams (default 30)")
+    opt(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="(default info) [SIDECAR_LOG_LEVEL]",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang-sidecar",
+        description="Admission control for SGLang: hold or reject the requests that would push the engine "
+        "out of GPU memory, Mamba slots or its queue.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _serve_parser(sub)
+
+    c = sub.add_parser("check-policy", help="validate a policy file (exit 0 valid, 2 invalid)")
+    c.add_argument("file", metavar="FILE")
+
+    d = sub.add_parser("demo", help="emulator + sidecar on loopback: the outage, with and without the gate")
+    d.add_argument("--profile", default="maxq-old", help="emulator lane profile (default maxq-old)")
+    d.add_argument("--policy", default=None, help="policy for the gated run (default: the profile's)")
+    d.add_argument("--speed", type=float, default=None, help="emulator time speed-up factor")
+    d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
+
+    e = sub.add_parser("emulate", help="run the SGLang-compatible engine emulator as a server")
+    e.add_argument("--profile", default="maxq-old", help="lane profile (see --list-profiles)")
+    e.add_argument("--listen", default="127.0.0.1:30000", metavar="HOST:PORT")
+    e.add_argument("--speed", type=float, default=1.0, help="engine seconds per wall second")
+    e.add_argument("--gpu-file", metavar="PATH", help="publish free memory here for --gpu-source file:PATH")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--cuda", action="store_true", help="allocate the pool and transients on the real GPU")
+    e.add_argument("--restart-s", type=float, default=None, help="downtime after a crash (default: profile)")
+    e.add_argument("--list-profiles", action="store_true")
+
+    r = sub.add_parser("replay", help="run a scenario or trace through a policy in virtual time")
+    r.add_argument("scenario", metavar="SCENARIO", help="scenario YAML, request-log JSONL or decision log")
+    r.add_argument("--policy", metavar="FILE", help="policy for the gate (default: the scenario's)")
+    r.add_argument("--gate", choices=["on", "off", "both"], default="both", help="run gated, ungated or both")
+    r.add_argument("--profile", default=None, help="engine profile (default: the scenario's)")
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--json", metavar="OUT", help="write the full result as JSON")
+    r.add_argument("--plot", metavar="OUT.png", help="plot memory, pools, queue and decisions over time")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {
+        "serve": _serve,
+        "check-policy": _check_policy,
+        "demo": _demo,
+        "emulate": _emulate,
+        "replay": _replay,
+    }[args.command]
+    return handler(args)
+
+
+def _fail(msg: str) -> int:
+    print(f"sglang-sidecar: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _check_policy(args: argparse.Namespace) -> int:
+    try:
+        loaded = load_policy_file(args.file)
+    except PolicyError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    p = loaded.policy
+    print(f"{args.file}: OK: policy {p.name!r} sha256 {loaded.sha256[:16]}")
+    print(f"  gated paths: {', '.join(p.gated_paths)}")
+    print(
+        f"  engine queue <= {p.engine_queue.max_requests}, pending prefill <= {p.pending_prefill.max_tokens:,} tokens,"
+        f" hold <= {p.hold.max_held} for {p.hold.max_wait_s:g}s"
+    )
+    print(
+        f"  stale engine > {p.engine.max_age_s:g}s: {p.engine.on_stale.value}; "
+        f"stale gpu > {p.gpu.max_age_s:g}s: {p.gpu.on_stale.value} (gpu required: {p.gpu.required})"
+    )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from sidecar.settings import Settings
+
+    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    try:
+        settings = Settings(**given)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        return _fail("invalid settings (flags or SIDECAR_* environment):\n" + "\n".join(lines))
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        loaded = load_policy_file(settings.policy)
+    except PolicyError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    from sidecar.signals.gpu import parse_gpu_source
+
+    if settings.gpu_source is None:
+        if loaded.policy.gpu.required:
+            return _fail(
+                "no GPU source: pass --gpu-source (nvml, nvml:<uuid>, dcgm:<url>, file:<path>) or set "
+                f"gpu.required: false in {settings.policy} to run without the VRAM constraint"
+            )
+        gpu = None
+    else:
+        try:
+            gpu = parse_gpu_source(settings.gpu_source)
+        except ValueError as e:
+            return _fail(f"--gpu-source: {e}")
+    try:
+        token = settings.admin_token()
+    except (OSError, ValueError) as e:
+        return _fail(f"--admin-token-file: {e}")
+    decision_log = open(settings.decision_log, "a", encoding="utf-8") if settings.decision_log else None  # noqa: SIM115
+    from sidecar.app import SidecarApp
+
+    app = SidecarApp(
+        upstream=settings.upstream,
+        policy=loaded,
+        gpu_source=gpu,
+        mode_shadow=settings.mode.value == "shadow",
+        admin_token=token,
+        policy_path=str(settings.policy),
+        decision_log=decision_log,
+        max_connections=settings.max_connections,
+        connect_timeout_s=settings.upstream_connect_timeout_s,
+        read_timeout_s=settings.upstream_read_timeout_s,
+    )
+    return run_uvicorn(app, settings.host, settings.port, settings.log_level, settings.drain_timeout_s)
+
+
+def run_uvicorn(
+    app: object, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0
+) -> int:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=drain_timeout_s,
+        timeout_keep_alive=5,
+    )
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT, reject new and held requests with `draining` while in-flight ones finish."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            admission = getattr(app, "admission", None)
+            loop = getattr(self, "_loop", None)
+            if admission is not None and loop is not None:
+                loop.call_soon_threadsafe(admission.drain)
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+        async def serve(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+    server = DrainingServer(config)
+    server.run()
+    return 0 if server.started else 3
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from sidecar.sim.demo import run_demo
+
+    return run_demo(args)
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    from sidecar.sim.server import main as emulate_main
+
+    return emulate_main(args)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from sidecar.sim.replay import main as replay_main
+
+    return replay_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""What one request will ask of the lane: tokens for the KV pool, slots, and bytes outside the pool.
+
+The projection is per prefill chunk, not per prompt: SGLang prefills ``chunked_prefill_size`` tokens at
+a time, so activations scale with ``min(uncached, chunk)``. Only builds whose gather temporaries grow
+with the whole context add a per-context-token term, capped (1,024 MiB at 524,288 tokens on the old
+build, 32 MiB on the bounded-gather build). ``max_new_tokens`` never enters the transient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sidecar.policy import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCost:
+    prompt_tokens: int
+    # Count from a tokenizer, input_ids or the engine: exact. From the bytes bound: an over-estimate.
+    exact: bool = True
+    cached_tokens: int = 0
+    max_new_tokens: int = 0
+    priority: int = 0
+    projected_bytes: int = 0
+    chunk_tokens: int = 0
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+
+def project_bytes(policy: Policy, prompt_tokens: int, uncached_tokens: int, chunk: int) -> int:
+    c = policy.cost
+    chunk_tokens = min(uncached_tokens, chunk)
+    gather = c.gather_bytes_per_context_token * prompt_tokens
+    if c.gather_cap_bytes is not None:
+        gather = min(gather, c.gather_cap_bytes)
+    if uncached_tokens == 0:
+        # A fully cached prompt still runs one extend step over the last token.
+        chunk_tokens = 1
+    return int((c.fixed_bytes + c.activation_bytes_per_chunk_token * chunk_tokens + gather) * c.margin)
+
+
+def request_cost(
+    policy: Policy,
+    prompt_tokens: int,
+    *,
+    exact: bool = True,
+    cached_tokens: int = 0,
+    max_new_tokens: int | None = None,
+    priority: int | None = None,
+    chunk: int | None = None,
+) -> RequestCost:
+    """Build the cost once per request, off the decision: the gate re-reads it on every wake-up."""
+    chunk = chunk or policy.lane.chunked_prefill_size
+    cached = min(max(0, cached_tokens), prompt_tokens)
+    uncached = prompt_tokens - cached
+    return RequestCost(
+        prompt_tokens=prompt_tokens,
+        exact=exact,
+        cached_tokens=cached,
+        max_new_tokens=max(0, max_new_tokens or 0),
+        priority=priority or 0,
+        projected_bytes=project_bytes(policy, prompt_tokens, uncached, chunk),
+        chunk_tokens=min(uncached, chunk),
+    )

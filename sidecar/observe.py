@@ -1,0 +1,217 @@
+"""The sidecar's own telemetry: Prometheus metrics and one JSON log line per decision.
+
+Counters for every (decision, reason) and outcome are created once at start-up, so the request path
+only increments a pre-bound child. Gauges that describe state (headroom, ledger, engine, GPU, signal
+ages) are computed at scrape time from the live objects: nothing per request, and an unknown value is
+an absent series, never a 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import IO, TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sidecar.admission import Outcome
+from sidecar.cost import RequestCost
+from sidecar.gate import Action, Decision, Reason
+from sidecar.ledger import LedgerTotals
+
+if TYPE_CHECKING:
+    from sidecar.admission import Admission
+
+PREFIX = "sglang_sidecar_"
+HOLD_BUCKETS = (0.005, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+log = logging.getLogger("sidecar.decision")
+
+
+class Telemetry:
+    """Implements the admission Observer: counts decisions and outcomes, writes the decision log."""
+
+    def __init__(self, registry: CollectorRegistry, decision_log: IO[str] | None = None) -> None:
+        self.registry = registry
+        decisions = Counter(
+            PREFIX + "decisions",
+            "Admission decisions by decision and reason",
+            ["decision", "reason"],
+            registry=registry,
+        )
+        self._decisions = {
+            (a, r): decisions.labels(a.value, r.value if r else "none")
+            for a in Action
+            for r in (None, *Reason)
+            if not (a is Action.ADMIT and r is not None)
+        }
+        requests = Counter(
+            PREFIX + "requests", "Gated requests by how they ended", ["outcome"], registry=registry
+        )
+        self._outcomes = {o: requests.labels(o.value) for o in Outcome}
+        self._hold = Histogram(
+            PREFIX + "hold_seconds",
+            "Time requests spent held before admission or rejection",
+            buckets=HOLD_BUCKETS,
+            registry=registry,
+        )
+        self._log_stream = decision_log
+        self.context: Callable[[], dict[str, Any]] = dict
+
+    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
+        self._decisions[(d.action, d.reason)].inc()
+        if d.action is not Action.HOLD:
+            self._hold.observe(waited_s)
+        line = decision_record(d, cost, waited_s, ledger, self.context())
+        if self._log_stream is not None:
+            self._log_stream.write(line + "\n")
+            self._log_stream.flush()
+        else:
+            log.info(line)
+
+    def outcome(self, outcome: Outcome) -> None:
+        self._outcomes[outcome].inc()
+
+
+def decision_record(
+    d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
+) -> str:
+    """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back."""
+    rec: dict[str, Any] = {
+        "ts": round(time.time(), 3),
+        "event": "decision",
+        "decision": d.action.value,
+        "reason": d.reason.value if d.reason else None,
+        "prompt_tokens": cost.prompt_tokens,
+        "exact": cost.exact,
+        "cached_tokens": cost.cached_tokens,
+        "max_new_tokens": cost.max_new_tokens,
+        "priority": cost.priority,
+        "projected_bytes": cost.projected_bytes,
+        "headroom_bytes": d.headroom_bytes,
+        "retry_after_s": d.retry_after_s,
+        "waited_s": round(waited_s, 4),
+        "ledger": {
+            "requests": ledger.requests,
+            "prefill_tokens": ledger.prefill_tokens,
+            "projected_bytes": ledger.projected_bytes,
+        },
+        "checks": [
+            {
+                "name": c.name,
+                "ok": c.ok,
+                "need": c.need,
+                "have": c.have,
+                **({"note": c.note} if c.note else {}),
+            }
+            for c in d.checks
+        ],
+    }
+    rec.update(context)
+    return json.dumps(rec, separators=(",", ":"))
+
+
+class StateCollector(Collector):
+    """Gauges read from the admission controller at scrape time."""
+
+    def __init__(
+        self, admission: Admission, clock: Callable[[], float], gate_open: Callable[[], bool]
+    ) -> None:
+        self.admission = admission
+        self.clock = clock
+        self.gate_open = gate_open
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        a, now = self.admission, self.clock()
+        snap, ledger = a.snapshot, a.ledger.totals
+
+        def gauge(name: str, doc: str, value: float | None, **labels: str) -> Metric | None:
+            if value is None:
+                return None
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
+            g.add_metric(list(labels.values()), float(value))
+            return g
+
+        from sidecar.gate import headroom_bytes
+
+        e, g = snap.engine, snap.gpu
+        metrics = [
+            gauge("held_requests", "Requests waiting in the sidecar's hold queue", a.held),
+            gauge(
+                "gate_open",
+                "1 when a minimal request would be admitted now",
+                1.0 if self.gate_open() else 0.0,
+            ),
+            gauge(
+                "headroom_bytes",
+                "GPU free minus reserve minus ledger projections",
+                headroom_bytes(a.policy, snap, ledger),
+            ),
+            gauge(
+                "projected_bytes",
+                "Bytes the ledger's admitted prefills are projected to allocate",
+                ledger.projected_bytes,
+            ),
+            gauge("ledger_requests", "Forwarded requests whose prefill has not finished", ledger.requests),
+            gauge(
+                "ledger_prefill_tokens",
+                "Prefill tokens forwarded and not yet prefilled",
+                ledger.prefill_tokens,
+            ),
+            gauge(
+                "engine_queue_requests", "SGLang waiting queue, last report", e.queue_requests if e else None
+            ),
+            gauge(
+                "engine_running_requests",
+                "SGLang running requests, last report",
+                e.running_requests if e else None,
+            ),
+            gauge(
+                "pending_prefill_tokens",
+                "SGLang waiting uncached tokens, last report",
+                e.pending_prefill_tokens if e else None,
+            ),
+            gauge("draining", "1 while the sidecar drains for shutdown", 1.0 if a.draining else 0.0),
+        ]
+        yield from (m for m in metrics if m is not None)
+
+        usage = GaugeMetricFamily(
+            PREFIX + "engine_token_usage", "SGLang pool usage per pool", labels=["pool"]
+        )
+        for pool, v in (
+            ("full", e and e.full_token_usage),
+            ("swa", e and e.swa_token_usage),
+            ("mamba", e and e.mamba_usage),
+        ):
+            if isinstance(v, float | int) and v == v:  # skip None and NaN
+                usage.add_metric([pool], float(v))
+        yield usage
+
+        free = GaugeMetricFamily(PREFIX + "gpu_free_bytes", "Free memory per GPU", labels=["gpu"])
+        for d in g.devices if g else ():
+            free.add_metric([d.ident], float(d.free_bytes))
+        yield free
+
+        age = GaugeMetricFamily(
+            PREFIX + "signal_age_seconds", "Age of the last successful read", labels=["signal"]
+        )
+        for name, v in (("engine", snap.engine_age(now)), ("gpu", snap.gpu_age(now))):
+            if v is not None:
+                age.add_metric([name], v)
+        yield age
+
+        fails = GaugeMetricFamily(PREFIX + "signal_failures", "Consecutive failed reads", labels=["signal"])
+        fails.add_metric(["engine"], float(snap.engine_health.consecutive_failures))
+        fails.add_metric(["gpu"], float(snap.gpu_health.consecutive_failures))
+        yield fails
+
+        info = GaugeMetricFamily(PREFIX + "policy_info", "The policy in force", labels=["name", "sha256"])
+        info.add_metric([a.policy.name, a.loaded.sha256], 1.0)
+        yield info

@@ -1,0 +1,249 @@
+"""Lane policies: which signals the gate reads, which limits it enforces, what it does when blind.
+
+A policy is a YAML file validated by the models below (unknown keys are errors, so a typo never
+silently disables a limit). Sizes accept plain bytes or units (``560MiB``, ``1.5GiB``). Errors name
+the file, the line and the field, because the person reading them is on call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+
+class StaleAction(StrEnum):
+    """What to do when a signal is too old to trust. There is no silent default: the policy says."""
+
+    HOLD = "hold"
+    REJECT = "reject"
+    ADMIT = "admit"
+
+
+class ExceedAction(StrEnum):
+    HOLD = "hold"
+    REJECT = "reject"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Lane(_Strict):
+    """Constants of the lane. The engine's own reports win when present; these are the fallback."""
+
+    context_len: int = Field(gt=0)
+    kv_pool_tokens: int | None = Field(default=None, gt=0)
+    mamba_slots: int | None = Field(default=None, gt=0)
+    chunked_prefill_size: int = Field(gt=0)
+    max_running_requests: int | None = Field(default=None, gt=0)
+
+
+class Prompt(_Strict):
+    """How prompt tokens are counted (see sidecar/tokens.py for the order of methods)."""
+
+    tokenizer_path: str | None = None
+    use_engine_tokenize: bool = True
+    bytes_per_token: float = Field(default=2.5, gt=0)
+    chat_overhead_tokens_per_message: int = Field(default=8, ge=0)
+    # Qwen2.5's default system prompt (~20 tokens) plus the generation prompt, with room to spare.
+    chat_overhead_tokens_fixed: int = Field(default=64, ge=0)
+
+
+class Cost(_Strict):
+    """Bytes one prefill allocates outside the KV pool.
+
+    ``fixed + per_chunk_token * min(uncached, chunk) + min(per_context_token * prompt, gather_cap)``,
+    times ``margin``. The per-chunk term follows chunked prefill (a bigger prompt is more chunks, not a
+    bigger chunk); the context term is for builds whose gather temporaries grow with the whole request.
+    """
+
+    fixed_bytes: ByteSize = ByteSize(0)
+    activation_bytes_per_chunk_token: ByteSize
+    gather_bytes_per_context_token: ByteSize = ByteSize(0)
+    gather_cap_bytes: ByteSize | None = None
+    margin: float = Field(default=1.0, ge=1.0)
+
+
+class Vram(_Strict):
+    reserve_bytes: ByteSize = ByteSize(0)
+    # The most a transient can ever get on this lane when idle; larger requests are unfit.
+    max_transient_bytes: ByteSize | None = None
+    on_exceed: ExceedAction = ExceedAction.HOLD
+
+
+class Kv(_Strict):
+    reserve_tokens: int = Field(default=0, ge=0)
+    max_usage: float = Field(default=1.0, gt=0, le=1.0)
+    count_evictable_as_free: bool = True
+    # Fraction of max_new_tokens to reserve for decode on top of the uncached prompt.
+    decode_reserve_fraction: float = Field(default=0.0, ge=0, le=1.0)
+    on_exceed: ExceedAction = ExceedAction.HOLD
+
+
+class Mamba(_Strict):
+    slots_per_request: int = Field(default=1, ge=1)
+    reserve_slots: int = Field(default=0, ge=0)
+    max_usage: float = Field(default=1.0, gt=0, le=1.0)
+    on_exceed: ExceedAction = ExceedAction.HOLD
+
+
+class EngineQueue(_Strict):
+    """Requests forwarded whose prefill has not finished: in the engine's waiting queue, or prefilling.
+
+    A request inside SGLang's queue is beyond the gate's reach; keeping this small keeps the rest in
+    the sidecar's queue, where they can still be ordered, timed out or rejected.
+    """
+
+    max_requests: int = Field(ge=1)
+    on_exceed: ExceedAction = ExceedAction.HOLD
+
+
+class PendingPrefill(_Strict):
+    """Prefill tokens forwarded but not yet prefilled. A request alone is never held by this limit."""
+
+    max_tokens: int = Field(gt=0)
+    on_exceed: ExceedAction = ExceedAction.HOLD
+
+
+class SignalPolicy(_Strict):
+    poll_interval_s: float = Field(gt=0)
+    max_age_s: float = Field(gt=0)
+    on_stale: StaleAction
+    # After this many failed reads in a row the engine is reported unavailable, not just stale.
+    unavailable_after_failures: int = Field(default=3, ge=1)
+
+    @model_validator(mode="after")
+    def _poll_faster_than_staleness(self) -> SignalPolicy:
+        if self.poll_interval_s >= self.max_age_s:
+            raise ValueError(
+                f"poll_interval_s ({self.poll_interval_s}) must be below max_age_s ({self.max_age_s}), "
+                "or every read would already be stale"
+            )
+        return self
+
+
+class Gpu(SignalPolicy):
+    # false: run without a GPU source (the VRAM constraint is off, and /admission/state says so).
+    required: bool = True
+
+
+class Hold(_Strict):
+    max_held: int = Field(ge=0)
+    max_wait_s: float = Field(gt=0)
+    # false: strict order; a request never overtakes an earlier one of equal or higher priority.
+    backfill: bool = False
+    # SGLang's default: larger `priority` values are served first.
+    low_priority_values_first: bool = False
+    retry_after_min_s: int = Field(default=1, ge=1)
+    retry_after_max_s: int = Field(default=60, ge=1)
+    # Used only to derive Retry-After from the tokens ahead; calibrate from the lane's own throughput.
+    prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Hold:
+        if self.retry_after_min_s > self.retry_after_max_s:
+            raise ValueError("retry_after_min_s must not exceed retry_after_max_s")
+        return self
+
+
+class Limits(_Strict):
+    # A 524,288-token prompt is several MB of text; JSON escaping can double it.
+    max_body_bytes: ByteSize = ByteSize(32 * 1024 * 1024)
+
+
+DEFAULT_GATED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+class Policy(_Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    gated_paths: tuple[str, ...] = DEFAULT_GATED_PATHS
+    lane: Lane
+    prompt: Prompt = Prompt()
+    cost: Cost
+    vram: Vram = Vram()
+    kv: Kv = Kv()
+    mamba: Mamba | None = None
+    engine_queue: EngineQueue
+    pending_prefill: PendingPrefill
+    engine: SignalPolicy
+    gpu: Gpu
+    hold: Hold
+    limits: Limits = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPolicy:
+    policy: Policy
+    sha256: str
+    path: str | None
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be used, with every problem located (file:line: field: message)."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: invalid policy\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def load_policy_text(text: str, source: str = "<policy>") -> LoadedPolicy:
+    """Parse and validate policy YAML; raise PolicyError with file, line and field for each problem."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        problem = getattr(e, "problem", None) or str(e)
+        raise PolicyError(source, [f"{where}: YAML syntax: {problem}"]) from None
+    if not isinstance(data, dict):
+        raise PolicyError(source, [f"{source}:1: the policy must be a mapping, got {type(data).__name__}"])
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            line = _line_of(root, loc)
+            where = f"{source}:{line}" if line else source
+            problems.append(f"{where}: {field}: {err['msg']}")
+        raise PolicyError(source, problems) from None
+    return LoadedPolicy(policy, hashlib.sha256(text.encode()).hexdigest(), None)
+
+
+def load_policy_file(path: str | Path) -> LoadedPolicy:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PolicyError(str(p), [f"{p}: cannot read: {e.strerror or e}"]) from None
+    loaded = load_policy_text(text, str(p))
+    return LoadedPolicy(loaded.policy, loaded.sha256, str(p))
+
+
+def _line_of(node: Any, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML node at a pydantic error location (the deepest node that exists)."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if k.value == part), None)
+            if nxt is None:
+                # An unknown key: point at the key itself.
+                key = next((k for k, _ in node.value if k.value == part), None)
+                return key.start_mark.line + 1 if key is not None else line
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            break
+        line = node.start_mark.line + 1
+    return line

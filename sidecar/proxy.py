@@ -1,0 +1,389 @@
+"""The data path: a plain-ASGI streaming reverse proxy with the admission gate in front of it.
+
+Why plain ASGI and aiohttp: this is the hot path. No ``BaseHTTPMiddleware`` (it hides disconnects), no
+framework routing per request, and aiohttp's client streams several times faster than httpx's
+(issue #2's measurement). Per request we do what must be done per request - read and parse the body,
+count tokens, decide, forward - and per chunk only a ``send``.
+
+Client disconnects are watched from the moment the body has been read: while held, while waiting for
+the engine's headers, and mid-stream. A disconnect cancels the request's task; cancellation closes
+the upstream response (the engine sees the connection drop and aborts the request) and ``finally``
+blocks end the ticket, so the ledger always returns to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
+from sidecar.cost import request_cost
+from sidecar.gate import Decision
+from sidecar.requests import BadRequest, GenerationRequest, parse_generation
+from sidecar.tokens import PromptCounter
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+log = logging.getLogger("sidecar.proxy")
+
+# RFC 9110 §7.6.1 plus the RFC 2616 list; headers named in `Connection` are dropped too.
+HOP_BY_HOP = frozenset(
+    b"connection keep-alive proxy-connection te trailer trailers transfer-encoding upgrade "
+    b"proxy-authenticate proxy-authorization".split()
+)
+_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
+# uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
+_DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
+_JSON = [(b"content-type", b"application/json")]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was complete."""
+
+
+def make_session(
+    max_connections: int, connect_timeout_s: float, read_timeout_s: float
+) -> aiohttp.ClientSession:
+    """One session for the process, created inside the running loop (the app's lifespan)."""
+    connector = aiohttp.TCPConnector(
+        limit=max_connections,
+        limit_per_host=0,
+        # Below uvicorn's 5 s keep-alive, so we never reuse a connection the engine is closing.
+        keepalive_timeout=4.0,
+        enable_cleanup_closed=True,
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        cookie_jar=aiohttp.DummyCookieJar(),  # never share one user's cookies with another
+        trust_env=False,  # no HTTP(S)_PROXY detour for a loopback engine
+        auto_decompress=False,  # relay bytes as sent; content-encoding passes through unchanged
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    )
+
+
+def json_response(
+    status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()
+) -> tuple[int, list, bytes]:  # type: ignore[assignment]
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    return status, [*_JSON, (b"content-length", str(len(payload)).encode()), *headers], payload
+
+
+def rejection_response(r: Rejection, prompt_tokens: int, projected_bytes: int) -> tuple[int, list, bytes]:
+    d = r.decision
+    reason = r.reason.value
+    retry = str(d.retry_after_s or 1).encode()
+    body = {
+        "error": {
+            "message": _REJECT_MESSAGES.get(reason, reason) + f" Retry after {retry.decode()} s.",
+            "type": "admission_rejected",
+            "code": reason,
+            "param": None,
+        },
+        "admission": decision_body(d, prompt_tokens, projected_bytes)
+        | {"waited_ms": round(r.waited_s * 1000)},
+    }
+    headers = [
+        (b"retry-after", retry),
+        (b"x-admission-decision", b"reject"),
+        (b"x-admission-reason", reason.encode()),
+        (b"x-admission-wait-ms", str(round(r.waited_s * 1000)).encode()),
+    ]
+    return json_response(503, body, headers)
+
+
+def decision_body(d: Decision, prompt_tokens: int, projected_bytes: int) -> dict[str, Any]:
+    return {
+        "decision": d.action.value,
+        "reason": d.reason.value if d.reason else None,
+        "prompt_tokens": prompt_tokens,
+        "projected_bytes": projected_bytes,
+        "headroom_bytes": d.headroom_bytes,
+        "retry_after_s": d.retry_after_s,
+        "checks": [
+            {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
+            for c in d.checks
+        ],
+    }
+
+
+_REJECT_MESSAGES = {
+    "vram_headroom": "Not enough free GPU memory for this request's prefill.",
+    "kv_pool": "The engine's KV cache pool has no room for this prompt.",
+    "mamba_slots": "The engine's Mamba state slots are exhausted.",
+    "engine_queue": "The engine's queue is full.",
+    "pending_prefill_tokens": "Too many prefill tokens are already pending in the engine.",
+    "unfit_request": "This request can never fit this lane (context, KV pool or memory).",
+    "signals_stale": "The engine's or GPU's signals are stale; admission is paused.",
+    "queue_full": "The admission queue is full.",
+    "hold_timeout": "The request waited the maximum hold time without room opening.",
+    "engine_unavailable": "The engine is unreachable.",
+    "draining": "The sidecar is shutting down.",
+}
+
+
+async def send_response(send: Send, resp: tuple[int, list, bytes]) -> None:
+    status, headers, body = resp
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def error_body(status: int, message: str, code: str) -> tuple[int, list, bytes]:
+    return json_response(
+        status, {"error": {"message": message, "type": "sidecar_error", "code": code, "param": None}}
+    )
+
+
+class Proxy:
+    """Forwards every request to the engine; gated paths pass the admission controller first."""
+
+    def __init__(
+        self,
+        upstream: str,
+        admission: Admission,
+        counter: PromptCounter,
+        *,
+        chunk_hint: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.admission = admission
+        self.counter = counter
+        self.chunk_hint = chunk_hint
+        self.session: aiohttp.ClientSession | None = None
+
+    # -- entry ---------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, gated: bool) -> None:
+        policy = self.admission.policy
+        try:
+            body = await _read_body(scope, receive, policy.limits.max_body_bytes)
+        except BadRequest as e:
+            if gated:
+                self.admission.observer.outcome(Outcome.BAD_REQUEST)
+            await send_response(send, json_response(e.status, e.error_body()))
+            return
+        except ClientGone:
+            if gated:
+                self.admission.observer.outcome(Outcome.CLIENT_GONE)
+            return
+        work = self._gated(scope, body, send) if gated else self._forward(scope, body, send, None, [])
+        await _until_disconnect(work, receive)
+
+    # -- gated ---------------------------------------------------------------------------------------
+
+    async def _gated(self, scope: Scope, body: bytes, send: Send) -> None:
+        policy = self.admission.policy
+        try:
+            req = parse_generation(
+                scope["path"], body, _headers_dict(scope), max_body_bytes=policy.limits.max_body_bytes
+            )
+        except BadRequest as e:
+            self.admission.observer.outcome(Outcome.BAD_REQUEST)
+            await send_response(send, json_response(e.status, e.error_body()))
+            return
+        try:
+            count = await self.counter.count(req)
+        except asyncio.CancelledError:
+            self.admission.observer.outcome(Outcome.CLIENT_GONE)
+            raise
+        cost = request_cost(
+            policy,
+            count.tokens,
+            exact=count.exact,
+            cached_tokens=req.declared_cached_tokens or 0,
+            max_new_tokens=req.max_new_tokens,
+            priority=req.priority,
+            chunk=self.chunk_hint(),
+        )
+        result = await self._acquire(cost)
+        if isinstance(result, Rejection):
+            await send_response(send, rejection_response(result, cost.prompt_tokens, cost.projected_bytes))
+            return
+        ticket = result
+        extra = [
+            (b"x-admission-decision", b"admit"),
+            (b"x-admission-wait-ms", str(round(ticket.waited_s * 1000)).encode()),
+        ]
+        if ticket.shadow_reject is not None:
+            d = ticket.shadow_reject
+            extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
+            extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
+        await self._forward(scope, body, send, ticket, extra, req)
+
+    async def _acquire(self, cost) -> Ticket | Rejection:  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Ticket | Rejection] = loop.create_future()
+
+        def on_done(r: Ticket | Rejection) -> None:
+            if not fut.done():
+                fut.set_result(r)
+
+        res = self.admission.submit(cost, on_done)
+        if not isinstance(res, Waiter):
+            return res
+        timer = loop.call_at(res.deadline, self.admission.expire)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The client left while held. Cancelling this task cancelled `fut` too, unless the gate had
+            # already answered: if that answer was a ticket, end it, or the ledger would leak.
+            if fut.done() and not fut.cancelled():
+                result = fut.result()
+                if isinstance(result, Ticket):
+                    result.finish(Outcome.CLIENT_GONE)
+            else:
+                self.admission.cancel(res)
+            raise
+        finally:
+            timer.cancel()
+
+    # -- forwarding ----------------------------------------------------------------------------------
+
+    async def _forward(
+        self,
+        scope: Scope,
+        body: bytes,
+        send: Send,
+        ticket: Ticket | None,
+        extra_headers: list[tuple[bytes, bytes]],
+        req: GenerationRequest | None = None,
+    ) -> None:
+        assert self.session is not None, "proxy used outside the app's lifespan"
+        url = self.upstream + scope["raw_path"].decode("latin-1")
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        outcome = Outcome.UPSTREAM_ERROR
+        started = False
+        try:
+            async with self.session.request(
+                scope["method"],
+                URL(url, encoded=True),  # relay the path and query byte for byte, no re-quoting
+                data=body or None,
+                headers=_request_headers(scope),
+                allow_redirects=False,
+            ) as resp:
+                headers = _response_headers(resp.raw_headers) + extra_headers
+                await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+                started = True
+                first = True
+                async for chunk in resp.content.iter_any():
+                    if first and ticket is not None:
+                        ticket.prefill_done()
+                        first = False
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+                outcome = Outcome.COMPLETED
+        except asyncio.CancelledError:
+            outcome = Outcome.CLIENT_GONE
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:
+            if not started:
+                await send_response(send, _upstream_error(e, self.upstream))
+            else:
+                # Headers are gone; the only honest signal left is to break the connection, so the
+                # client does not mistake a truncated stream for a complete one.
+                log.warning("upstream broke mid-response on %s: %s", scope["path"], e)
+                raise UpstreamBroke(str(e)) from None
+        finally:
+            if ticket is not None:
+                ticket.finish(outcome)
+
+
+class UpstreamBroke(Exception):
+    """Raised after the response started, so that the server drops the client connection."""
+
+
+def _upstream_error(e: BaseException, upstream: str) -> tuple[int, list, bytes]:
+    if isinstance(e, aiohttp.ClientConnectorError):
+        resp = error_body(
+            503, f"engine at {upstream} is unreachable: {e.os_error or e}", "engine_unavailable"
+        )
+        return resp[0], [*resp[1], (b"retry-after", b"5")], resp[2]
+    if isinstance(e, TimeoutError | aiohttp.ServerTimeoutError):
+        return error_body(
+            504,
+            f"engine at {upstream} timed out: {e or 'no data within the read timeout'}",
+            "upstream_timeout",
+        )
+    return error_body(502, f"engine at {upstream} failed: {type(e).__name__}: {e}", "upstream_error")
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for k, v in scope["headers"]:
+        if k == b"content-length" and v.isdigit() and int(v) > limit:
+            raise BadRequest.body_too_large(int(v), limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest.body_too_large(size, limit, at_least=True)
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _until_disconnect(work: Awaitable[None], receive: Receive) -> None:
+    """Run ``work``; if the client disconnects first, cancel it (its finally blocks do the cleanup)."""
+    task = asyncio.ensure_future(work)
+    # Let the task take its first step before anything can cancel it: a coroutine cancelled before it
+    # starts runs none of its own cleanup, and its outcome would go unrecorded.
+    await asyncio.sleep(0)
+
+    async def listen() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait((task,), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+
+def _headers_dict(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def _request_headers(scope: Scope) -> CIMultiDict[str]:
+    named = _connection_named(scope["headers"])
+    return CIMultiDict(
+        (k.decode("latin-1"), v.decode("latin-1"))
+        for k, v in scope["headers"]
+        if k not in _DROP_REQUEST and k not in named
+    )
+
+
+def _response_headers(raw: tuple[tuple[bytes, bytes], ...]) -> list[tuple[bytes, bytes]]:
+    named = _connection_named(raw)
+    return [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_RESPONSE and k.lower() not in named]
+
+
+def _connection_named(headers: Any) -> frozenset[bytes]:
+    for k, v in headers:
+        if k.lower() == b"connection":
+            return frozenset(t.strip().lower() for t in v.split(b","))
+    return frozenset()

@@ -1,0 +1,110 @@
+"""What the sidecar knows about the engine and the GPU at one instant.
+
+These are plain frozen values: pollers build a new one per successful read and swap it in with a
+single assignment, so the request path reads a consistent snapshot without locks or awaits.
+
+Every field that the source did not report is ``None``. Never substitute 0 for "unknown": a missing
+queue gauge on a fresh SGLang server (no load gauges for its first 30 s) is not an empty queue.
+Timestamps are monotonic seconds (``time.monotonic()`` or the injected clock), so ages survive
+wall-clock jumps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSignals:
+    """The engine's last-reported state, merged from /metrics, /v1/loads and /server_info.
+
+    SGLang writes its gauges at batch boundaries (every prefill batch, every 40 decode steps), so
+    even a fresh scrape reports a value that may be seconds old; ``observed_at`` is when *we* read it.
+    """
+
+    observed_at: float
+    running_requests: int | None = None
+    queue_requests: int | None = None
+    # Per pool, never the combined `sglang:token_usage` (max of the pools since 0.5.14).
+    full_token_usage: float | None = None
+    swa_token_usage: float | None = None
+    mamba_usage: float | None = None
+    # Absolute full-attention KV slots (0.5.14+); `max_total_tokens` is the pool capacity.
+    kv_used_tokens: int | None = None
+    kv_available_tokens: int | None = None
+    kv_evictable_tokens: int | None = None
+    max_total_tokens: int | None = None
+    # Mamba state slots (unit: request states, not tokens), 0.5.14+.
+    mamba_used_slots: int | None = None
+    mamba_available_slots: int | None = None
+    mamba_evictable_slots: int | None = None
+    # Prefill tokens waiting in the engine: /v1/loads `num_waiting_uncached_tokens` (0.5.9+).
+    pending_prefill_tokens: int | None = None
+    # Lane constants, from /server_info or /v1/loads.
+    chunked_prefill_size: int | None = None
+    max_running_requests: int | None = None
+    context_len: int | None = None
+    version: str | None = None
+    # Which endpoints contributed, e.g. ("metrics", "loads", "server_info").
+    sources: tuple[str, ...] = ()
+
+    @property
+    def mamba_total_slots(self) -> int | None:
+        parts = (self.mamba_used_slots, self.mamba_available_slots)
+        if any(p is None for p in parts):
+            return None
+        return sum(p for p in parts if p is not None) + (self.mamba_evictable_slots or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """One GPU's memory, in bytes. ``ident`` is the NVML UUID, a DCGM label, or the file path."""
+
+    ident: str
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSignals:
+    """Free memory over the engine's devices. Headroom is the minimum: one full GPU stops a TP group."""
+
+    observed_at: float
+    source: str
+    devices: tuple[DeviceMemory, ...] = field(default_factory=tuple)
+
+    @property
+    def free_bytes(self) -> int | None:
+        return min((d.free_bytes for d in self.devices), default=None)
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Capacity of the device with the least free memory (the one that decides)."""
+        if not self.devices:
+            return None
+        return min(self.devices, key=lambda d: d.free_bytes).total_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SourceHealth:
+    """How the last reads of one signal went: the gate distinguishes stale from unreachable."""
+
+    last_ok_at: float | None = None
+    last_error: str | None = None
+    consecutive_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything the decision reads about the outside world. ``None`` means never read."""
+
+    engine: EngineSignals | None = None
+    gpu: GpuSignals | None = None
+    engine_health: SourceHealth = SourceHealth()
+    gpu_health: SourceHealth = SourceHealth()
+
+    def engine_age(self, now: float) -> float | None:
+        return None if self.engine is None else max(0.0, now - self.engine.observed_at)
+
+    def gpu_age(self, now: float) -> float | None:
+        return None if self.gpu is None else max(0.0, now - self.gpu.observed_at)

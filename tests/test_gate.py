@@ -1,0 +1,222 @@
+"""The pure decision, table-driven: the outage state of the brief, idle, staleness, unfit requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.cost import request_cost
+from sidecar.gate import Action, Reason, decide
+from sidecar.ledger import LedgerTotals
+from sidecar.signals.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
+from tests.conftest import MIB, maxq, small_policy, snapshot, with_engine
+
+NOW = 5000.0
+CARD = 97887 * MIB  # RTX PRO 6000 Blackwell Max-Q capacity (brief §1)
+
+
+def outage_snapshot() -> Snapshot:
+    """16:44:17: 280.94 MiB free, 1 running, 14 queued, 1,485,849 pending, usage 0.73 / 0.06 (brief §1)."""
+    engine = EngineSignals(
+        observed_at=NOW,
+        running_requests=1,
+        queue_requests=14,
+        full_token_usage=0.73,
+        mamba_usage=0.06,
+        kv_used_tokens=381702,
+        kv_available_tokens=141178,
+        kv_evictable_tokens=0,
+        max_total_tokens=522880,
+        mamba_used_slots=3,
+        mamba_available_slots=47,
+        mamba_evictable_slots=0,
+        pending_prefill_tokens=1485849,
+        context_len=524288,
+    )
+    gpu = GpuSignals(NOW, "nvml", (DeviceMemory("GPU-maxq", int(280.94 * MIB), CARD),))
+    return Snapshot(engine, gpu, SourceHealth(NOW), SourceHealth(NOW))
+
+
+def idle_snapshot() -> Snapshot:
+    """The same lane idle: nothing queued; 3,226 MiB free as on the same card's idle validation lane."""
+    s = outage_snapshot()
+    engine = with_engine(
+        s,
+        running_requests=0,
+        queue_requests=0,
+        full_token_usage=0.0,
+        mamba_usage=0.0,
+        kv_used_tokens=0,
+        kv_available_tokens=522880,
+        mamba_used_slots=0,
+        mamba_available_slots=50,
+        pending_prefill_tokens=0,
+    ).engine
+    gpu = GpuSignals(NOW, "nvml", (DeviceMemory("GPU-maxq", 3226 * MIB, CARD),))
+    return Snapshot(engine, gpu, SourceHealth(NOW), SourceHealth(NOW))
+
+
+@pytest.mark.parametrize(
+    ("state", "prompt_tokens", "action", "reason"),
+    [
+        ("outage", 500_000, Action.HOLD, Reason.VRAM_HEADROOM),
+        ("outage", 140_000, Action.HOLD, Reason.VRAM_HEADROOM),
+        ("outage", 2_000, Action.HOLD, Reason.VRAM_HEADROOM),
+        ("idle", 500_000, Action.ADMIT, None),
+        ("idle", 140_000, Action.ADMIT, None),
+        ("idle", 600_000, Action.REJECT, Reason.UNFIT_REQUEST),  # longer than the 524,288 context
+    ],
+)
+def test_outage_state_against_maxq_policy(
+    state: str, prompt_tokens: int, action: Action, reason: Reason
+) -> None:
+    policy = maxq().policy
+    snap = outage_snapshot() if state == "outage" else idle_snapshot()
+    cost = request_cost(policy, prompt_tokens, max_new_tokens=8192)
+    d = decide(cost, snap, LedgerTotals(), policy, NOW)
+    assert (d.action, d.reason) == (action, reason)
+
+
+def test_outage_fails_every_constraint_the_brief_names() -> None:
+    """VRAM decides (first in order), but explain must show queue and pending limits failing too."""
+    policy = maxq().policy
+    d = decide(request_cost(policy, 500_000), outage_snapshot(), LedgerTotals(), policy, NOW)
+    failed = {c.name for c in d.checks if not c.ok}
+    assert failed == {"vram_headroom", "kv_pool", "engine_queue", "pending_prefill_tokens"}
+    vram = next(c for c in d.checks if c.name == "vram_headroom")
+    assert vram.have == int(280.94 * MIB) - policy.vram.reserve_bytes  # headroom = free - reserve - ledger
+
+
+def test_mamba_lane_2_state_holds_for_slots_not_kv() -> None:
+    """Lane 2: full usage 0.46 but Mamba at 1.00 with 2 running: the Mamba pool is the constraint."""
+    policy = maxq().policy
+    snap = with_engine(
+        idle_snapshot(),
+        running_requests=2,
+        full_token_usage=0.46,
+        mamba_usage=1.0,
+        mamba_used_slots=51,
+        mamba_available_slots=0,
+        kv_available_tokens=282000,
+    )
+    d = decide(request_cost(policy, 140_000), snap, LedgerTotals(), policy, NOW)
+    assert (d.action, d.reason) == (Action.HOLD, Reason.MAMBA_SLOTS)
+
+
+def test_ledger_counts_what_the_gauges_do_not_show_yet() -> None:
+    policy = small_policy().policy
+    snap = snapshot(NOW, free_bytes=10 * MIB)  # room for ten 1000-token chunks of 1 KiB/token
+    cost = request_cost(policy, 1000)
+    assert decide(cost, snap, LedgerTotals(requests=9, projected_bytes=9 * MIB), policy, NOW).admitted
+    d = decide(cost, snap, LedgerTotals(requests=10, projected_bytes=10 * MIB), policy, NOW)
+    assert (d.action, d.reason) == (Action.HOLD, Reason.VRAM_HEADROOM)
+
+
+def test_engine_queue_uses_the_larger_of_gauge_and_ledger() -> None:
+    policy = small_policy(engine_queue__max_requests=2).policy
+    cost = request_cost(policy, 10)
+    snap = snapshot(NOW)
+    assert decide(cost, snap, LedgerTotals(requests=1), policy, NOW).admitted
+    assert decide(cost, snap, LedgerTotals(requests=2), policy, NOW).reason is Reason.ENGINE_QUEUE
+    assert (
+        decide(cost, with_engine(snap, queue_requests=2), LedgerTotals(), policy, NOW).reason
+        is Reason.ENGINE_QUEUE
+    )
+
+
+def test_pending_prefill_never_holds_a_request_alone() -> None:
+    policy = small_policy(pending_prefill__max_tokens=5000).policy
+    big = request_cost(policy, 50_000)
+    assert decide(big, snapshot(NOW), LedgerTotals(), policy, NOW).admitted
+    d = decide(big, snapshot(NOW), LedgerTotals(requests=1, prefill_tokens=10), policy, NOW)
+    assert d.reason is Reason.PENDING_PREFILL_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("on_stale", "action", "reason"),
+    [
+        ("hold", Action.HOLD, Reason.SIGNALS_STALE),
+        ("reject", Action.REJECT, Reason.SIGNALS_STALE),
+        ("admit", Action.ADMIT, None),
+    ],
+)
+def test_stale_engine_follows_the_policy(on_stale: str, action: Action, reason: Reason | None) -> None:
+    policy = small_policy(engine__on_stale=on_stale).policy
+    snap = snapshot(NOW - 6)  # engine read 6 s ago, max_age 5 s
+    fresh_gpu = snapshot(NOW).gpu
+    from dataclasses import replace
+
+    d = decide(request_cost(policy, 10), replace(snap, gpu=fresh_gpu), LedgerTotals(), policy, NOW)
+    assert (d.action, d.reason) == (action, reason)
+
+
+def test_never_read_is_stale_not_zero() -> None:
+    policy = small_policy().policy
+    d = decide(request_cost(policy, 10), Snapshot(), LedgerTotals(), policy, NOW)
+    assert (d.action, d.reason) == (Action.HOLD, Reason.SIGNALS_STALE)
+    assert d.headroom_bytes is None
+
+
+def test_unknown_gauges_are_not_zero() -> None:
+    """A fresh 0.5.23 server has no queue gauge: the gate must not read that as an empty engine."""
+    policy = small_policy(engine_queue__max_requests=1).policy
+    snap = with_engine(snapshot(NOW), queue_requests=None, running_requests=None)
+    # Unknown queue, empty ledger: the ledger alone decides, and it says there is room for one.
+    assert decide(request_cost(policy, 10), snap, LedgerTotals(), policy, NOW).admitted
+    assert (
+        decide(request_cost(policy, 10), snap, LedgerTotals(requests=1), policy, NOW).reason
+        is Reason.ENGINE_QUEUE
+    )
+
+
+def test_engine_unavailable_rejects() -> None:
+    policy = small_policy().policy
+    from dataclasses import replace
+
+    snap = replace(snapshot(NOW), engine_health=SourceHealth(NOW - 10, "connection refused", 3))
+    d = decide(request_cost(policy, 10), snap, LedgerTotals(), policy, NOW)
+    assert (d.action, d.reason) == (Action.REJECT, Reason.ENGINE_UNAVAILABLE)
+    assert d.retry_after_s is not None and d.retry_after_s >= 1
+
+
+def test_gpu_not_required_runs_without_vram_constraint() -> None:
+    policy = small_policy(gpu__required=False).policy
+    d = decide(request_cost(policy, 10), snapshot(NOW, free_bytes=None), LedgerTotals(), policy, NOW)
+    assert d.admitted
+    assert next(c for c in d.checks if c.name == "vram_headroom").note == "no GPU signal"
+
+
+def test_queue_bounds_turn_holds_into_rejections() -> None:
+    policy = small_policy(engine_queue__max_requests=1).policy
+    cost = request_cost(policy, 10)
+    busy = LedgerTotals(requests=1)
+    assert decide(cost, snapshot(NOW), busy, policy, NOW, held=10).reason is Reason.QUEUE_FULL
+    assert decide(cost, snapshot(NOW), busy, policy, NOW, held=10, queued=True).action is Action.HOLD
+    timed_out = decide(cost, snapshot(NOW), busy, policy, NOW, queued=True, waited_s=30)
+    assert (timed_out.action, timed_out.reason) == (Action.REJECT, Reason.HOLD_TIMEOUT)
+
+
+def test_retry_after_is_bounded_and_never_zero() -> None:
+    policy = small_policy(engine_queue__max_requests=1).policy
+    snap = with_engine(snapshot(NOW), pending_prefill_tokens=10_000_000)
+    d = decide(request_cost(policy, 10), snap, LedgerTotals(requests=1), policy, NOW, held=10)
+    assert d.retry_after_s == 60  # capped at retry_after_max_s
+    d = decide(request_cost(policy, 1), snapshot(NOW), LedgerTotals(requests=1), policy, NOW, held=10)
+    assert d.retry_after_s == 1  # floor, not 0
+
+
+def test_unfit_only_condemns_exact_counts_for_length() -> None:
+    policy = small_policy().policy
+    estimate = request_cost(policy, 150_000, exact=False)
+    assert decide(estimate, snapshot(NOW), LedgerTotals(), policy, NOW).reason is not Reason.UNFIT_REQUEST
+    exact = request_cost(policy, 150_000)
+    assert decide(exact, snapshot(NOW), LedgerTotals(), policy, NOW).reason is Reason.UNFIT_REQUEST
+
+
+def test_projection_is_per_chunk_not_per_prompt() -> None:
+    policy = maxq().policy
+    small, big = request_cost(policy, 8192), request_cost(policy, 400_000)
+    # Both prefill one 8,192-token chunk at a time; only the (capped) gather term grows with context.
+    gather = 2048 * (400_000 - 8192)
+    assert big.projected_bytes - small.projected_bytes == pytest.approx(gather * 1.1, rel=1e-6)
+    huge = request_cost(policy, 524_000)
+    assert huge.projected_bytes <= int((64 * MIB + 70 * 1024 * 8192 + 1024 * MIB) * 1.1)

@@ -1,0 +1,276 @@
+"""The proxy with real uvicorn servers on loopback: streaming, disconnects, upstream failures, bursts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sidecar.app import SidecarApp
+from sidecar.signals.gpu import parse_gpu_source
+from tests.conftest import MIB, small_policy
+from tests.harness import FakeEngine, eventually, serve, write_gpu_file
+
+FAST = dict(engine__poll_interval_s=0.05, engine__max_age_s=5, gpu__poll_interval_s=0.02, gpu__max_age_s=5)
+
+
+@asynccontextmanager
+async def lane(
+    tmp_path: Path, engine: FakeEngine, free_mib: int = 1024, upstream: str | None = None, **overrides: object
+) -> AsyncIterator[tuple[str, SidecarApp, Path]]:
+    gpu_file = tmp_path / "gpu.json"
+    write_gpu_file(gpu_file, free_mib * MIB)
+    policy = small_policy(**(FAST | overrides))
+    async with serve(engine) as engine_url:
+        app = SidecarApp(
+            upstream=upstream or engine_url, policy=policy, gpu_source=parse_gpu_source(f"file:{gpu_file}")
+        )
+        async with serve(app) as url:
+            if upstream is None:
+                await eventually(lambda: app.admission.snapshot.engine is not None)
+            yield url, app, gpu_file
+
+
+def gen(stream: bool = True, tokens: int = 1000, rid: str = "r") -> dict:
+    return {"text": "x", "stream": stream, "rid": rid, "emulator": {"prompt_tokens": tokens}}
+
+
+async def test_sse_passes_through_unbuffered(tmp_path: Path) -> None:
+    """The first event reaches the client before the engine sends the second."""
+    engine = FakeEngine(events=3)
+    async with lane(tmp_path, engine) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
+        async with client.stream("POST", url + "/generate", json=gen()) as r:
+            assert r.status_code == 200
+            assert r.headers["x-admission-decision"] == "admit"
+            assert r.headers["content-type"] == "text/event-stream"
+            lines = r.aiter_lines()
+            first = await asyncio.wait_for(anext(lines), 10)  # would hang if the proxy buffered
+            assert first == 'data: {"i": 0}'
+            assert engine.release.is_set() is False
+            engine.release.set()
+            rest = [line async for line in lines if line]
+        assert rest == ['data: {"i": 1}', 'data: {"i": 2}', "data: [DONE]"]
+        assert app.admission.ledger.totals.requests == 0
+
+
+async def test_disconnect_mid_stream_aborts_upstream_and_clears_ledger(tmp_path: Path) -> None:
+    engine = FakeEngine(events=3)
+    async with lane(tmp_path, engine) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
+        async with client.stream("POST", url + "/generate", json=gen(rid="leaver")) as r:
+            await asyncio.wait_for(anext(r.aiter_lines()), 10)
+        # The client has gone; the engine must see its connection drop.
+        await eventually(lambda: engine.aborted == ["leaver"])
+        await eventually(lambda: app.admission.ledger.totals.requests == 0)
+        metrics = (await client.get(url + "/metrics")).text
+        assert 'sglang_sidecar_requests_total{outcome="client_gone"} 1.0' in metrics
+
+
+async def test_disconnect_while_waiting_for_headers_aborts_upstream(tmp_path: Path) -> None:
+    """A long prefill: no headers yet. The client leaves; the engine's request must be aborted."""
+    engine = FakeEngine()
+    engine.gate_headers.clear()
+    async with lane(tmp_path, engine) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
+        task = asyncio.create_task(client.post(url + "/generate", json=gen(rid="prefill")))
+        await eventually(lambda: len(engine.arrived) == 1)
+        assert app.admission.ledger.totals.requests == 1
+        task.cancel()
+        await eventually(lambda: engine.aborted == ["prefill"])
+        await eventually(lambda: app.admission.ledger.totals.requests == 0)
+
+
+async def test_disconnect_while_held_removes_the_request(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    async with lane(tmp_path, engine, free_mib=0) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
+        task = asyncio.create_task(client.post(url + "/generate", json=gen(rid="held")))
+        await eventually(lambda: app.admission.held == 1)
+        state = (await client.get(url + "/admission/state")).json()
+        assert state["queue"]["held"] == 1 and state["gate_open"] is False
+        task.cancel()
+        await eventually(lambda: app.admission.held == 0)
+        assert engine.arrived == []
+        assert app.admission.ledger.totals.requests == 0
+        metrics = (await client.get(url + "/metrics")).text
+        assert 'sglang_sidecar_requests_total{outcome="client_gone"} 1.0' in metrics
+        assert 'sglang_sidecar_decisions_total{decision="hold",reason="vram_headroom"} 1.0' in metrics
+
+
+async def test_held_request_is_admitted_when_memory_frees(tmp_path: Path) -> None:
+    engine = FakeEngine(events=1)
+    async with (
+        lane(tmp_path, engine, free_mib=0) as (url, app, gpu_file),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        task = asyncio.create_task(client.post(url + "/generate", json=gen(stream=False)))
+        await eventually(lambda: app.admission.held == 1)
+        write_gpu_file(gpu_file, 1024 * MIB)
+        r = await asyncio.wait_for(task, 10)
+        assert r.status_code == 200
+        assert r.headers["x-admission-decision"] == "admit"
+        assert int(r.headers["x-admission-wait-ms"]) > 0
+
+
+async def test_rejection_carries_the_contract(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    async with (
+        lane(tmp_path, engine, free_mib=0, hold__max_held=0) as (url, _, _),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        r = await client.post(
+            url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert r.status_code == 503
+        assert r.headers["x-admission-decision"] == "reject"
+        assert r.headers["x-admission-reason"] == "queue_full"
+        assert int(r.headers["retry-after"]) >= 1
+        body = r.json()
+        assert body["error"]["type"] == "admission_rejected"
+        assert body["error"]["code"] == "queue_full"
+        assert body["error"]["param"] is None
+        assert body["admission"]["decision"] == "reject"
+        assert engine.arrived == []
+
+
+async def test_unfit_request_is_rejected_at_once(tmp_path: Path) -> None:
+    async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(url + "/generate", json=gen(tokens=200_000))  # context is 100,000
+        assert r.status_code == 503
+        assert r.headers["x-admission-reason"] == "unfit_request"
+
+
+async def test_burst_admits_exactly_n_through_the_proxy(tmp_path: Path) -> None:
+    """30 requests at once, GPU room for exactly 4 prefills: exactly 4 reach the engine."""
+    engine = FakeEngine(events=1)
+    engine.gate_headers.clear()  # every admitted request sits in prefill until released
+    # Each request projects 1000 tokens x 1 KiB = 1000 KiB; 4 MiB of room fits exactly 4.
+    async with (
+        lane(tmp_path, engine, free_mib=4, hold__max_held=100) as (url, app, _),
+        httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=64)) as client,
+    ):
+        tasks = [
+            asyncio.create_task(client.post(url + "/generate", json=gen(stream=False, rid=str(i))))
+            for i in range(30)
+        ]
+        await eventually(lambda: len(engine.arrived) + app.admission.held == 30)
+        assert len(engine.arrived) == 4
+        assert app.admission.ledger.totals.requests == 4
+        engine.gate_headers.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert [r.status_code for r in results] == [200] * 30
+        assert app.admission.ledger.totals.requests == 0 and app.admission.held == 0
+
+
+async def test_upstream_down_gives_clear_503(tmp_path: Path) -> None:
+    async with (
+        lane(tmp_path, FakeEngine(), upstream="http://127.0.0.1:9") as (url, app, _),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        r = await client.get(url + "/v1/models")
+        assert r.status_code == 503
+        assert "unreachable" in r.json()["error"]["message"]
+        await eventually(lambda: app.admission.snapshot.engine_health.consecutive_failures >= 3)
+        r = await client.post(url + "/generate", json=gen())
+        assert r.status_code == 503
+        assert r.headers["x-admission-reason"] == "engine_unavailable"
+        ready = await client.get(url + "/readyz")
+        assert ready.status_code == 503
+        assert (await client.get(url + "/healthz")).status_code == 200  # liveness never follows the engine
+
+
+async def test_passthrough_forwards_and_strips_hop_by_hop(tmp_path: Path) -> None:
+    async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(
+            url + "/echo?a=1&b=%2F",
+            content=b"payload",
+            headers={"x-custom": "v", "connection": "keep-alive, x-drop", "x-drop": "1", "te": "trailers"},
+        )
+        seen = r.json()
+        names = {k for k, _ in seen["headers"]}
+        assert seen["query"] == "a=1&b=%2F" and seen["body"] == "payload" and seen["method"] == "POST"
+        assert "x-custom" in names and "x-drop" not in names and "te" not in names
+        r = await client.get(url + "/v1/models")
+        assert r.status_code == 200 and "x-hop" not in r.headers
+        # The proxy keeps no cookie jar: one user's Set-Cookie never rides along on another's request.
+        r = await client.post(url + "/echo", content=b"")
+        assert "cookie" not in {k for k, _ in r.json()["headers"]}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b'{"text": 5}', 400, None),
+        (b"x" * (33 * 1024 * 1024), 413, "body_too_large"),
+    ],
+)
+async def test_bad_bodies_never_reach_the_engine(
+    tmp_path: Path, body: bytes, status: int, code: str | None
+) -> None:
+    engine = FakeEngine()
+    async with lane(tmp_path, engine) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status
+        assert r.json()["error"]["message"]
+        if code:
+            assert r.json()["error"]["code"] == code
+        assert engine.arrived == []
+
+
+async def test_explain_charges_nothing(tmp_path: Path) -> None:
+    async with lane(tmp_path, FakeEngine()) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(url + "/admission/explain", json={"prompt_tokens": 1000})
+        out = r.json()
+        assert out["decision"] == "admit" and out["prompt_tokens"] == 1000
+        assert out["projected_bytes"] == 1000 * 1024 and out["headroom_bytes"] == 1024 * MIB
+        assert app.admission.ledger.totals.requests == 0
+        r = await client.post(url + "/admission/explain", json=gen(tokens=500_000))
+        assert r.json()["decision"] == "reject" and r.json()["reason"] == "unfit_request"
+
+
+async def test_state_has_the_brief_fields_and_null_for_unknown(tmp_path: Path) -> None:
+    async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
+        s = (await client.get(url + "/admission/state")).json()
+        for key in ("mode", "gate_open", "headroom_bytes", "engine", "gpu", "ledger", "queue", "policy"):
+            assert key in s
+        assert s["engine"]["running_requests"] == 0
+        assert s["engine"]["mamba_usage"] is None  # the fake engine exports no Mamba gauge: unknown, not 0
+        assert s["engine"]["pending_prefill_tokens"] is None
+        assert s["gpu"]["free_bytes"] == 1024 * MIB and s["gpu"]["source"].startswith("file:")
+        assert s["policy"]["name"] == "test-lane" and len(s["policy"]["sha256"]) == 64
+        assert s["mode"] == "enforce"
+
+
+async def test_policy_reload_endpoint(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    gpu_file = tmp_path / "gpu.json"
+    write_gpu_file(gpu_file, 1024 * MIB)
+    policy = small_policy(**FAST)
+    async with serve(engine) as engine_url:
+        app = SidecarApp(
+            upstream=engine_url,
+            policy=policy,
+            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+            admin_token="s3cret",
+        )
+        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
+            new = small_policy(**FAST).policy.model_copy(update={"name": "reloaded"})
+            import yaml
+
+            text = yaml.safe_dump(json.loads(new.model_dump_json()))
+            assert (await client.post(url + "/admission/policy", content=text)).status_code == 401
+            bad = await client.post(
+                url + "/admission/policy",
+                content="name: x\nbogus: 1\n",
+                headers={"authorization": "Bearer s3cret"},
+            )
+            assert bad.status_code == 422 and bad.json()["kept"] == "test-lane"
+            assert any("bogus" in p for p in bad.json()["problems"])
+            ok = await client.post(
+                url + "/admission/policy", content=text, headers={"authorization": "Bearer s3cret"}
+            )
+            assert ok.status_code == 200 and ok.json()["name"] == "reloaded"
+            assert (await client.get(url + "/admission/state")).json()["policy"]["name"] == "reloaded"
