@@ -85,6 +85,7 @@ class SidecarApp:
                 try:
                     await self.startup()
                 except Exception as e:
+                    await self.shutdown()
                     await send({"type": "lifespan.startup.failed", "message": str(e)})
                     return
                 await send({"type": "lifespan.startup.complete"})
@@ -95,12 +96,6 @@ class SidecarApp:
 
     async def startup(self) -> None:
         policy = self.admission.policy
-        self.control = make_control_client(timeout_s=5.0)
-        self.proxy.session = make_session(*self._limits)
-        self.scraper = EngineScraper(
-            self.upstream, client=self.control, interval_s=policy.engine.poll_interval_s, clock=self.clock
-        )
-        self._tasks.append(asyncio.create_task(self.scraper.run(self._on_engine), name="engine-scraper"))
         if self.gpu_source is not None:
             self.gpu_poller = GpuPoller(
                 self.gpu_source, interval_s=policy.gpu.poll_interval_s, clock=self.clock
@@ -108,6 +103,13 @@ class SidecarApp:
             # Fail at start-up, loudly, when the configured GPU source cannot be read at all.
             first = await self.gpu_poller.check()
             self._on_gpu(first, SourceHealth(last_ok_at=self.clock()))
+        self.control = make_control_client(timeout_s=5.0)
+        self.proxy.session = make_session(*self._limits)
+        self.scraper = EngineScraper(
+            self.upstream, client=self.control, interval_s=policy.engine.poll_interval_s, clock=self.clock
+        )
+        self._tasks.append(asyncio.create_task(self.scraper.run(self._on_engine), name="engine-scraper"))
+        if self.gpu_source is not None:
             self._tasks.append(asyncio.create_task(self.gpu_poller.run(self._on_gpu), name="gpu-poller"))
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_from_file)

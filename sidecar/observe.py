@@ -161,22 +161,12 @@ class StateCollector(Collector):
             ),
             gauge("ledger_requests", "Forwarded requests whose prefill has not finished", ledger.requests),
             gauge(
-                "ledger_prefill_tokens",
-                "Prefill tokens forwarded and not yet prefilled",
-                ledger.prefill_tokens,
-            ),
-            gauge(
                 "engine_queue_requests", "SGLang waiting queue, last report", e.queue_requests if e else None
             ),
             gauge(
                 "engine_running_requests",
                 "SGLang running requests, last report",
                 e.running_requests if e else None,
-            ),
-            gauge(
-                "pending_prefill_tokens",
-                "SGLang waiting uncached tokens, last report",
-                e.pending_prefill_tokens if e else None,
             ),
             gauge("draining", "1 while the sidecar drains for shutdown", 1.0 if a.draining else 0.0),
         ]
@@ -193,6 +183,16 @@ class StateCollector(Collector):
             if isinstance(v, float | int) and v == v:  # skip None and NaN
                 usage.add_metric([pool], float(v))
         yield usage
+
+        # Two views of the prefill work ahead: the engine's last report (absent when it does not
+        # report it, e.g. before 0.5.9) and the ledger's (always known, never lags).
+        pending = GaugeMetricFamily(
+            PREFIX + "pending_prefill_tokens", "Prefill tokens waiting, by source", labels=["source"]
+        )
+        if e is not None and e.pending_prefill_tokens is not None:
+            pending.add_metric(["engine"], float(e.pending_prefill_tokens))
+        pending.add_metric(["ledger"], float(ledger.prefill_tokens))
+        yield pending
 
         free = GaugeMetricFamily(PREFIX + "gpu_free_bytes", "Free memory per GPU", labels=["gpu"])
         for d in g.devices if g else ():

@@ -31,7 +31,9 @@ class Settings(BaseSettings):
     )
     mode: Mode = Mode.ENFORCE
     admin_token_file: Path | None = Field(default=None, description="Bearer token for POST /admission/policy")
-    decision_log: Path | None = Field(default=None, description="Append decision JSON lines here (default: stderr)")
+    decision_log: Path | None = Field(
+        default=None, description="Append decision JSON lines here (default: stderr)"
+    )
     # Connection pool to the engine, sized for long SSE streams: each open stream holds one connection.
     max_connections: int = Field(default=1024, ge=1)
     # A 500K-token prefill can take minutes before its first byte; this bounds the gap between bytes.
@@ -52,7 +54,7 @@ class Settings(BaseSettings):
     @classmethod
     def _hostport(cls, v: str) -> str:
         host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ValueError(f"listen must be HOST:PORT, got {v!r}")
         return v
 

@@ -38,7 +38,7 @@ def cost_1mib(a: Admission, priority: int = 0) -> RequestCost:
 
 def test_burst_admits_exactly_n(clock: ManualClock) -> None:
     """50 arrive in the same instant with room for exactly 10: 10 tickets, the rest held or rejected."""
-    a, rec = make(clock, free_mib=10)
+    a, _ = make(clock, free_mib=10)
     results = [a.submit(cost_1mib(a), lambda r: None) for _ in range(50)]
     tickets = [r for r in results if isinstance(r, Ticket)]
     assert len(tickets) == 10

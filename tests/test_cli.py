@@ -1,0 +1,105 @@
+"""The command line as a user runs it: a real subprocess, real files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import POLICIES, ROOT
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_serve_help_names_every_option_and_its_environment_variable() -> None:
+    r = run("serve", "--help")
+    assert r.returncode == 0
+    for flag, env in [
+        ("--upstream", "SIDECAR_UPSTREAM"),
+        ("--listen", "SIDECAR_LISTEN"),
+        ("--policy", "SIDECAR_POLICY"),
+        ("--gpu-source", "SIDECAR_GPU_SOURCE"),
+        ("--mode", "SIDECAR_MODE"),
+        ("--admin-token-file", "SIDECAR_ADMIN_TOKEN_FILE"),
+    ]:
+        assert flag in r.stdout and env in r.stdout
+
+
+def test_check_policy_accepts_every_shipped_policy() -> None:
+    for path in sorted(POLICIES.glob("*.yaml")):
+        r = run("check-policy", str(path))
+        assert r.returncode == 0, r.stderr
+        assert "OK" in r.stdout
+
+
+def test_check_policy_locates_errors(tmp_path: Path) -> None:
+    text = (POLICIES / "maxq-qwen3next-old.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        text.replace("  max_requests: 2", "  max_requets: 2").replace("margin: 1.1", "margin: 0.5")
+    )
+    r = run("check-policy", str(bad))
+    assert r.returncode == 2
+    lines = r.stderr.splitlines()
+    line_no = next(i for i, t in enumerate(text.splitlines(), 1) if "max_requests: 2" in t)
+    assert any(
+        f"{bad}:{line_no}: engine_queue.max_requets: Extra inputs are not permitted" in x for x in lines
+    )
+    assert any("cost.margin" in x and "greater than or equal to 1" in x for x in lines)
+
+
+def test_check_policy_on_yaml_garbage_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\n  oops: [\n")
+    r = run("check-policy", str(bad))
+    assert r.returncode == 2 and f"{bad}:2" in r.stderr and "YAML syntax" in r.stderr
+    r = run("check-policy", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+def test_serve_refuses_bad_settings_clearly() -> None:
+    r = run("serve", "--upstream", "localhost:30000", "--policy", str(POLICIES / "h200-generic.yaml"))
+    assert r.returncode == 2 and "upstream" in r.stderr and "http://" in r.stderr
+    r = run(
+        "serve",
+        "--policy",
+        str(POLICIES / "h200-generic.yaml"),
+        env={"SIDECAR_UPSTREAM": "http://127.0.0.1:1"},
+    )
+    assert r.returncode == 2 and "no GPU source" in r.stderr  # environment variables are read
+    r = run(
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:1",
+        "--policy",
+        str(POLICIES / "h200-generic.yaml"),
+        "--gpu-source",
+        "cuda:0",
+    )
+    assert r.returncode == 2 and "--gpu-source" in r.stderr and "nvml" in r.stderr
+
+
+def test_serve_fails_at_start_up_when_the_gpu_source_cannot_be_read(tmp_path: Path) -> None:
+    r = run(
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:1",
+        "--listen",
+        "127.0.0.1:0",
+        "--policy",
+        str(POLICIES / "h200-generic.yaml"),
+        "--gpu-source",
+        f"file:{tmp_path}/missing.json",
+    )
+    assert r.returncode != 0
+    assert "missing.json does not exist" in r.stderr

@@ -1,0 +1,156 @@
+"""What the sidecar tells dashboards and on-call: metric names of the brief, the decision log, modes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.app import SidecarApp
+from sidecar.signals.gpu import parse_gpu_source
+from tests.conftest import MIB, small_policy
+from tests.harness import FakeEngine, eventually, serve, write_gpu_file
+from tests.test_proxy import FAST, gen, lane
+
+BRIEF_METRICS = {
+    "decisions",
+    "requests",
+    "hold_seconds",
+    "held_requests",
+    "gate_open",
+    "headroom_bytes",
+    "projected_bytes",
+    "gpu_free_bytes",
+    "engine_queue_requests",
+    "engine_running_requests",
+    "engine_token_usage",
+    "pending_prefill_tokens",
+    "signal_age_seconds",
+    "policy_info",
+}
+
+
+async def test_metrics_carry_the_brief_names_and_parse(tmp_path: Path) -> None:
+    engine = FakeEngine(events=1)
+    async with lane(tmp_path, engine) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
+        assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
+        text = (await client.get(url + "/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    names = {n.removeprefix("sglang_sidecar_") for n in families if n.startswith("sglang_sidecar_")}
+    assert BRIEF_METRICS <= names, BRIEF_METRICS - names
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
+    }
+    assert samples[("sglang_sidecar_decisions_total", (("decision", "admit"), ("reason", "none")))] == 1
+    assert samples[("sglang_sidecar_requests_total", (("outcome", "completed"),))] == 1
+    assert samples[("sglang_sidecar_gate_open", ())] == 1
+    assert samples[("sglang_sidecar_engine_token_usage", (("pool", "full"),))] == 0
+    # The fake engine exports no Mamba gauge: the series is absent, not 0.
+    assert ("sglang_sidecar_engine_token_usage", (("pool", "mamba"),)) not in samples
+    assert any(k[0] == "sglang_sidecar_policy_info" and dict(k[1])["name"] == "test-lane" for k in samples)
+
+
+async def test_one_json_decision_line_per_decision_without_prompt_text(tmp_path: Path) -> None:
+    engine = FakeEngine(events=1)
+    gpu_file = tmp_path / "gpu.json"
+    write_gpu_file(gpu_file, 0)
+    log = io.StringIO()
+    async with serve(engine) as engine_url:
+        app = SidecarApp(
+            upstream=engine_url,
+            policy=small_policy(**FAST),
+            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+            decision_log=log,
+        )
+        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
+            await eventually(lambda: app.admission.snapshot.engine is not None)
+            secret = "the launch codes are 0000"
+            task = asyncio.create_task(client.post(url + "/generate", json={"text": secret, "stream": False}))
+            await eventually(lambda: app.admission.held == 1)
+            write_gpu_file(gpu_file, 1024 * MIB)
+            assert (await task).status_code == 200
+    lines = [json.loads(x) for x in log.getvalue().splitlines()]
+    assert [(x["decision"], x["reason"]) for x in lines] == [("hold", "vram_headroom"), ("admit", None)]
+    first = lines[0]
+    for key in (
+        "prompt_tokens",
+        "projected_bytes",
+        "headroom_bytes",
+        "ledger",
+        "checks",
+        "engine",
+        "gpu",
+        "policy",
+    ):
+        assert key in first
+    assert first["gpu"]["free_bytes"] == 0 and first["engine"]["queue"] == 0
+    assert lines[1]["waited_s"] > 0
+    assert secret not in log.getvalue()
+
+
+async def test_shadow_mode_forwards_what_enforce_would_hold(tmp_path: Path) -> None:
+    engine = FakeEngine(events=1)
+    gpu_file = tmp_path / "gpu.json"
+    write_gpu_file(gpu_file, 0)
+    async with serve(engine) as engine_url:
+        app = SidecarApp(
+            upstream=engine_url,
+            policy=small_policy(**FAST),
+            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+            mode_shadow=True,
+        )
+        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
+            await eventually(lambda: app.admission.snapshot.engine is not None)
+            r = await client.post(url + "/generate", json=gen(stream=False))
+            assert r.status_code == 200 and len(engine.arrived) == 1
+            assert r.headers["x-admission-decision"] == "admit"
+            assert r.headers["x-admission-shadow-decision"] == "hold"
+            assert r.headers["x-admission-shadow-reason"] == "vram_headroom"
+            text = (await client.get(url + "/metrics")).text
+            assert 'sglang_sidecar_decisions_total{decision="hold",reason="vram_headroom"} 1.0' in text
+            assert (await client.get(url + "/admission/state")).json()["mode"] == "shadow"
+            assert app.admission.ledger.totals.requests == 0
+
+
+async def test_sighup_reloads_the_policy_file_and_keeps_it_on_error(tmp_path: Path) -> None:
+    import yaml
+
+    engine = FakeEngine()
+    gpu_file = tmp_path / "gpu.json"
+    write_gpu_file(gpu_file, 1024 * MIB)
+    policy_file = tmp_path / "policy.yaml"
+    data = json.loads(small_policy(**FAST).policy.model_dump_json())
+    policy_file.write_text(yaml.safe_dump(data))
+    from sidecar.policy import load_policy_file
+
+    async with serve(engine) as engine_url:
+        app = SidecarApp(
+            upstream=engine_url,
+            policy=load_policy_file(policy_file),
+            policy_path=str(policy_file),
+            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+        )
+        async with serve(app):
+            policy_file.write_text(yaml.safe_dump(data | {"name": "after-hup"}))
+            os.kill(os.getpid(), signal.SIGHUP)
+            await eventually(lambda: app.admission.policy.name == "after-hup")
+            policy_file.write_text("name: broken\nnot_a_field: 1\n")
+            os.kill(os.getpid(), signal.SIGHUP)
+            await asyncio.sleep(0.2)
+            assert app.admission.policy.name == "after-hup"
+
+
+async def test_drain_rejects_new_requests_and_fails_readiness(tmp_path: Path) -> None:
+    async with lane(tmp_path, FakeEngine()) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
+        assert (await client.get(url + "/readyz")).status_code == 200
+        app.admission.drain()
+        r = await client.post(url + "/generate", json=gen())
+        assert r.status_code == 503 and r.headers["x-admission-reason"] == "draining"
+        ready = await client.get(url + "/readyz")
+        assert ready.status_code == 503 and "draining" in ready.json()["problems"]
