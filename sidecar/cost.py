@@ -1,9 +1,10 @@
 """What one request will ask of the lane: tokens for the KV pool, slots, and bytes outside the pool.
 
 The projection is per prefill chunk, not per prompt: SGLang prefills ``chunked_prefill_size`` tokens at
-a time, so activations scale with ``min(uncached, chunk)``. Only builds whose gather temporaries grow
-with the whole context add a per-context-token term, capped (1,024 MiB at 524,288 tokens on the old
-build, 32 MiB on the bounded-gather build). ``max_new_tokens`` never enters the transient.
+a time, so activations scale with ``min(uncached, chunk)``. The last chunk attends over the whole
+request, so two terms grow with the context: temporaries that do on every build, and the full-context
+gather that a bounded-gather build caps (1,024 MiB at 524,288 tokens on the old build, 32 MiB on the
+bounded one). ``max_new_tokens`` never enters the transient.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class RequestCost:
     priority: int = 0
     projected_bytes: int = 0
     chunk_tokens: int = 0
+    # Not an input to the decision: ties a request's decision-log lines together (hold, then admit).
+    request_id: str = ""
 
     @property
     def uncached_tokens(self) -> int:
@@ -38,7 +41,10 @@ def project_bytes(policy: Policy, prompt_tokens: int, uncached_tokens: int, chun
     if uncached_tokens == 0:
         # A fully cached prompt still runs one extend step over the last token.
         chunk_tokens = 1
-    return int((c.fixed_bytes + c.activation_bytes_per_chunk_token * chunk_tokens + gather) * c.margin)
+    context = c.context_bytes_per_token * prompt_tokens
+    return int(
+        (c.fixed_bytes + c.activation_bytes_per_chunk_token * chunk_tokens + context + gather) * c.margin
+    )
 
 
 def request_cost(
@@ -50,6 +56,7 @@ def request_cost(
     max_new_tokens: int | None = None,
     priority: int | None = None,
     chunk: int | None = None,
+    request_id: str = "",
 ) -> RequestCost:
     """Build the cost once per request, off the decision: the gate re-reads it on every wake-up."""
     chunk = chunk or policy.lane.chunked_prefill_size
@@ -63,4 +70,5 @@ def request_cost(
         priority=priority or 0,
         projected_bytes=project_bytes(policy, prompt_tokens, uncached, chunk),
         chunk_tokens=min(uncached, chunk),
+        request_id=request_id,
     )

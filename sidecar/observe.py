@@ -84,6 +84,7 @@ def decision_record(
     rec: dict[str, Any] = {
         "ts": round(time.time(), 3),
         "event": "decision",
+        "request_id": cost.request_id,
         "decision": d.action.value,
         "reason": d.reason.value if d.reason else None,
         "prompt_tokens": cost.prompt_tokens,

@@ -58,13 +58,16 @@ class Prompt(_Strict):
 class Cost(_Strict):
     """Bytes one prefill allocates outside the KV pool.
 
-    ``fixed + per_chunk_token * min(uncached, chunk) + min(per_context_token * prompt, gather_cap)``,
-    times ``margin``. The per-chunk term follows chunked prefill (a bigger prompt is more chunks, not a
-    bigger chunk); the context term is for builds whose gather temporaries grow with the whole request.
+    ``(fixed + per_chunk_token * min(uncached, chunk) + per_context_token * prompt
+    + min(gather_per_context_token * prompt, gather_cap)) * margin``. The per-chunk term follows chunked
+    prefill (a bigger prompt is more chunks, not a bigger chunk). The context terms are the temporaries
+    of the last chunk, which attends over the whole request: one that grows on every build, and the
+    full-context gather whose growth a bounded-gather build caps.
     """
 
     fixed_bytes: ByteSize = ByteSize(0)
     activation_bytes_per_chunk_token: ByteSize
+    context_bytes_per_token: ByteSize = ByteSize(0)
     gather_bytes_per_context_token: ByteSize = ByteSize(0)
     gather_cap_bytes: ByteSize | None = None
     margin: float = Field(default=1.0, ge=1.0)

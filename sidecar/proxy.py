@@ -14,6 +14,7 @@ blocks end the ticket, so the ledger always returns to zero.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -162,6 +163,7 @@ class Proxy:
         self.counter = counter
         self.chunk_hint = chunk_hint
         self.session: aiohttp.ClientSession | None = None
+        self._ids = itertools.count(1)
 
     # -- entry ---------------------------------------------------------------------------------------
 
@@ -206,6 +208,7 @@ class Proxy:
             max_new_tokens=req.max_new_tokens,
             priority=req.priority,
             chunk=self.chunk_hint(),
+            request_id=req.rid or f"sc-{next(self._ids)}",
         )
         result = await self._acquire(cost)
         if isinstance(result, Rejection):
