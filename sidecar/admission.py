@@ -321,7 +321,7 @@ class Admission:
             prefill_tokens=cost.uncached_tokens,
             kv_tokens=kv_tokens_needed(self.policy, cost),
             projected_bytes=cost.projected_bytes,
-            mamba_slots=mamba_slots_needed(self.policy, self.snapshot),
+            mamba_slots=mamba_slots_needed(self.policy, self.snapshot, cost),
             charged_at=now,
         )
         key = self.ledger.charge(entry)

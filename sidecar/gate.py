@@ -75,13 +75,18 @@ class Decision:
         return self.action is Action.ADMIT
 
 
-def mamba_slots_needed(policy: Policy, snap: Snapshot) -> int:
-    """Slots a new request will hold: only on lanes that have a Mamba pool."""
-    if policy.mamba is None:
+def mamba_slots_needed(policy: Policy, snap: Snapshot, cost: RequestCost) -> int:
+    """Slots a new request will hold (working state plus its prefill checkpoints), on lanes with a pool."""
+    m = policy.mamba
+    if m is None:
         return 0
     e = snap.engine
-    has_pool = policy.lane.mamba_slots is not None or (e is not None and e.mamba_total_slots)
-    return policy.mamba.slots_per_request if has_pool else 0
+    if policy.lane.mamba_slots is None and not (e is not None and e.mamba_total_slots):
+        return 0
+    checkpoints = (
+        math.ceil(cost.prompt_tokens / m.checkpoint_interval_tokens) if m.checkpoint_interval_tokens else 0
+    )
+    return m.slots_per_request + checkpoints
 
 
 def kv_tokens_needed(policy: Policy, cost: RequestCost) -> int:
@@ -161,6 +166,11 @@ def _unfit(cost: RequestCost, snap: Snapshot, policy: Policy) -> Check | None:
             return Check("unfit_request", False, total, context_len, "prompt + max_new_tokens > context")
         if pool is not None and kv_tokens_needed(policy, cost) > pool - policy.kv.reserve_tokens:
             return Check("unfit_request", False, kv_tokens_needed(policy, cost), pool, "larger than KV pool")
+    slots = mamba_slots_needed(policy, snap, cost)
+    pool_slots = (e.mamba_total_slots if e else None) or policy.lane.mamba_slots
+    if slots and pool_slots is not None and policy.mamba is not None:
+        if slots > pool_slots - policy.mamba.reserve_slots:
+            return Check("unfit_request", False, slots, pool_slots, "more Mamba slots than the pool has")
     cap = policy.vram.max_transient_bytes
     if cap is not None and cost.projected_bytes > cap:
         return Check(
@@ -232,7 +242,7 @@ def _constraints(
         checks.append(Check("kv_pool", need_kv <= have and usage_ok, need_kv, have))
 
     # Mamba state slots: a separate pool; it ran out at 2 running requests on lane 2.
-    slots = mamba_slots_needed(policy, snap)
+    slots = mamba_slots_needed(policy, snap, cost)
     if policy.mamba is not None and slots:
         m = policy.mamba
         if e is None or e.mamba_available_slots is None:

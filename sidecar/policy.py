@@ -11,10 +11,10 @@ import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
-import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+
+from sidecar.yamlconf import ConfigError, load_model
 
 
 class StaleAction(StrEnum):
@@ -90,7 +90,12 @@ class Kv(_Strict):
 
 
 class Mamba(_Strict):
+    """Mamba state slots: a pool separate from KV tokens, which ran out first on lane 2."""
+
     slots_per_request: int = Field(default=1, ge=1)
+    # Chunked prefill keeps a state checkpoint every this many prompt tokens, locked while the request
+    # is in flight; unset when the build keeps only the latest one.
+    checkpoint_interval_tokens: int | None = Field(default=None, gt=0)
     reserve_slots: int = Field(default=0, ge=0)
     max_usage: float = Field(default=1.0, gt=0, le=1.0)
     on_exceed: ExceedAction = ExceedAction.HOLD
@@ -188,38 +193,15 @@ class LoadedPolicy:
     path: str | None
 
 
-class PolicyError(ValueError):
+class PolicyError(ConfigError):
     """A policy that cannot be used, with every problem located (file:line: field: message)."""
 
-    def __init__(self, source: str, problems: list[str]) -> None:
-        self.source = source
-        self.problems = problems
-        super().__init__(f"{source}: invalid policy\n" + "\n".join(f"  {p}" for p in problems))
+    kind = "policy"
 
 
 def load_policy_text(text: str, source: str = "<policy>") -> LoadedPolicy:
     """Parse and validate policy YAML; raise PolicyError with file, line and field for each problem."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        problem = getattr(e, "problem", None) or str(e)
-        raise PolicyError(source, [f"{where}: YAML syntax: {problem}"]) from None
-    if not isinstance(data, dict):
-        raise PolicyError(source, [f"{source}:1: the policy must be a mapping, got {type(data).__name__}"])
-    try:
-        policy = Policy.model_validate(data)
-    except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            loc = tuple(err["loc"])
-            field = ".".join(str(p) for p in loc) or "(top level)"
-            line = _line_of(root, loc)
-            where = f"{source}:{line}" if line else source
-            problems.append(f"{where}: {field}: {err['msg']}")
-        raise PolicyError(source, problems) from None
+    policy = load_model(text, Policy, source, PolicyError)
     return LoadedPolicy(policy, hashlib.sha256(text.encode()).hexdigest(), None)
 
 
@@ -231,22 +213,3 @@ def load_policy_file(path: str | Path) -> LoadedPolicy:
         raise PolicyError(str(p), [f"{p}: cannot read: {e.strerror or e}"]) from None
     loaded = load_policy_text(text, str(p))
     return LoadedPolicy(loaded.policy, loaded.sha256, str(p))
-
-
-def _line_of(node: Any, loc: tuple[Any, ...]) -> int | None:
-    """1-based line of the YAML node at a pydantic error location (the deepest node that exists)."""
-    line = node.start_mark.line + 1 if node is not None else None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = next((v for k, v in node.value if k.value == part), None)
-            if nxt is None:
-                # An unknown key: point at the key itself.
-                key = next((k for k, _ in node.value if k.value == part), None)
-                return key.start_mark.line + 1 if key is not None else line
-            node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-        else:
-            break
-        line = node.start_mark.line + 1
-    return line
