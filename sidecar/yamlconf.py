@@ -57,7 +57,8 @@ def line_of(node: Any, loc: tuple[Any, ...]) -> int | None:
         if isinstance(node, yaml.MappingNode):
             nxt = next((v for k, v in node.value if k.value == part), None)
             if nxt is None:
-                return line
+                # A missing field (point at its parent) or a union's tag such as "burst" (skip it).
+                continue
             node = nxt
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
             node = node.value[part]

@@ -5,44 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import uvicorn
+from sidecar.serving import serve_app
 
 Scope = dict[str, Any]
 
 
-@asynccontextmanager
-async def serve(app: Any, *, lifespan: str = "on") -> AsyncIterator[str]:
+def serve(app: Any, *, lifespan: str = "on") -> Any:
     """Run ``app`` under uvicorn on a free loopback port in this event loop; yield its base URL."""
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        lifespan=lifespan,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=2,
-    )
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    if task.done():
-        task.result()
-        raise RuntimeError("server exited during start-up")
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+    return serve_app(app, lifespan=lifespan)
 
 
 async def eventually(
