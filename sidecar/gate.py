@@ -168,9 +168,13 @@ def _unfit(cost: RequestCost, snap: Snapshot, policy: Policy) -> Check | None:
             return Check("unfit_request", False, kv_tokens_needed(policy, cost), pool, "larger than KV pool")
     slots = mamba_slots_needed(policy, snap, cost)
     pool_slots = (e.mamba_total_slots if e else None) or policy.lane.mamba_slots
-    if slots and pool_slots is not None and policy.mamba is not None:
-        if slots > pool_slots - policy.mamba.reserve_slots:
-            return Check("unfit_request", False, slots, pool_slots, "more Mamba slots than the pool has")
+    if (
+        slots
+        and pool_slots is not None
+        and policy.mamba is not None
+        and slots > pool_slots - policy.mamba.reserve_slots
+    ):
+        return Check("unfit_request", False, slots, pool_slots, "more Mamba slots than the pool has")
     cap = policy.vram.max_transient_bytes
     if cap is not None and cost.projected_bytes > cap:
         return Check(

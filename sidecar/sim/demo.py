@@ -142,7 +142,9 @@ class LiveDriver:
             async with self.session.post(self.url + "/generate", json=body) as resp:
                 if resp.headers.get("x-admission-decision") == "reject":
                     rec.outcome = f"rejected:{resp.headers.get('x-admission-reason')}"
-                    retry_after = float(resp.headers.get("retry-after", "1")) * self.speed
+                    if resp.status == 503 and "retry-after" in resp.headers:
+                        retry_after = float(resp.headers["retry-after"]) * self.speed
+                        rec.retry_after_s = retry_after
                 else:
                     wait_ms = float(resp.headers.get("x-admission-wait-ms", "0"))
                     rec.held_s = round(wait_ms / 1000 * self.speed, 3)
@@ -206,8 +208,8 @@ async def run_phase(
                         upstream=emu.url,
                         policy=policy,
                         gpu_source=parse_gpu_source(f"file:{gpu_file}"),
-                        decision_log=open(Path(tmp) / "decisions.jsonl", "w"),
-                    )  # noqa: SIM115
+                        decision_log=stack.enter_context((Path(tmp) / "decisions.jsonl").open("w")),
+                    )
                     url = await stack.enter_async_context(serve_app(app))
                 timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
                 async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -233,6 +235,7 @@ async def run_phase(
     out = outcome_summary(list(driver.records.values()), crashes, profile.restart_s, float("inf"))
     out["gate"] = policy is not None
     out["ledger_at_end"] = ledger
+    out["requests_detail"] = [r.__dict__ for r in driver.records.values()]
     return out
 
 

@@ -77,6 +77,7 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     end: float | None = None
+    retry_after_s: float | None = None  # what a rejection told the client, engine seconds
 
 
 class Client:
@@ -332,6 +333,7 @@ class Driver:
         rec.held_s = round(self.t - a.arrival, 4)
         if isinstance(r, Rejection):
             rec.outcome = f"rejected:{r.reason.value}"
+            rec.retry_after_s = r.decision.retry_after_s
             rec.end = self.t
             a.client.on_done(a, False, float(r.decision.retry_after_s or 1))
             return
