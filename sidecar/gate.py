@@ -94,15 +94,21 @@ def kv_tokens_needed(policy: Policy, cost: RequestCost) -> int:
 
 
 def headroom_bytes(policy: Policy, snap: Snapshot, ledger: LedgerTotals) -> int | None:
-    """Free VRAM minus the reserve minus what admitted prefills will still allocate.
+    """Free VRAM (live, or the lane's idle budget) minus the reserve minus what admitted prefills will
+    still allocate (see ``policy.HeadroomSource`` for which free memory and why).
 
-    NVML counts memory held by PyTorch's caching allocator as used, so this is a conservative view;
-    a prefill already running is charged both in NVML (its live transient) and in the ledger until its
-    first token, which errs on the safe side for the length of one prefill.
+    With live NVML free, a prefill already running is charged both in NVML (its live transient) and in
+    the ledger until its first token, which errs on the safe side for the length of one prefill.
     """
-    if snap.gpu is None or snap.gpu.free_bytes is None:
+    v = policy.vram
+    if not v.uses_gpu_signal:
+        assert v.idle_free_bytes is not None
+        free = v.idle_free_bytes
+    elif snap.gpu is None or snap.gpu.free_bytes is None:
         return None
-    return snap.gpu.free_bytes - policy.vram.reserve_bytes - ledger.projected_bytes
+    else:
+        free = snap.gpu.free_bytes
+    return free - v.reserve_bytes - ledger.projected_bytes
 
 
 def decide(
@@ -175,7 +181,7 @@ def _unfit(cost: RequestCost, snap: Snapshot, policy: Policy) -> Check | None:
         and slots > pool_slots - policy.mamba.reserve_slots
     ):
         return Check("unfit_request", False, slots, pool_slots, "more Mamba slots than the pool has")
-    cap = policy.vram.max_transient_bytes
+    cap = policy.vram.transient_cap()
     if cap is not None and cost.projected_bytes > cap:
         return Check(
             "unfit_request", False, cost.projected_bytes, cap, "transient larger than the lane frees"
@@ -191,7 +197,11 @@ def _blindness(snap: Snapshot, policy: Policy, now: float) -> tuple[Action, Reas
         return Action.REJECT, Reason.ENGINE_UNAVAILABLE, Check("engine_unavailable", False, note=note)
     for name, age, sp in (
         ("engine", snap.engine_age(now), policy.engine),
-        ("gpu", snap.gpu_age(now), policy.gpu if policy.gpu.required else None),
+        (
+            "gpu",
+            snap.gpu_age(now),
+            policy.gpu if policy.gpu.required and policy.vram.uses_gpu_signal else None,
+        ),
     ):
         if sp is None or (age is not None and age <= sp.max_age_s):
             continue
@@ -226,7 +236,8 @@ def _constraints(
     checks: list[Check] = []
 
     # VRAM headroom: the projected transient must fit in what is free and not yet promised.
-    if headroom is None or not _fresh(snap.gpu_age(now), policy.gpu):
+    live_ok = not policy.vram.uses_gpu_signal or _fresh(snap.gpu_age(now), policy.gpu)
+    if headroom is None or not live_ok:
         checks.append(Check("vram_headroom", True, cost.projected_bytes, None, "no GPU signal"))
     else:
         checks.append(

@@ -73,11 +73,48 @@ class Cost(_Strict):
     margin: float = Field(default=1.0, ge=1.0)
 
 
+class HeadroomSource(StrEnum):
+    """Where the VRAM headroom comes from.
+
+    ``nvml_free``: live free memory from the GPU source. Exact for an engine that returns freed
+    memory to the driver; for a PyTorch engine it is a low-water mark, because the caching allocator
+    keeps freed transients reserved (on an H200, one 500K prefill left NVML free ~100 MiB of an idle
+    3.2 GiB although its live transients peaked at 1.4 GiB), and the gate would then hold everything.
+    ``idle_budget``: the lane's measured idle free memory (``idle_free_bytes``), minus the reserve,
+    minus what the ledger's prefills will allocate. Right for caching engines; blind to another process
+    growing on the card. NVML is still read, exported and shown in both modes.
+    """
+
+    NVML_FREE = "nvml_free"
+    IDLE_BUDGET = "idle_budget"
+
+
 class Vram(_Strict):
+    headroom: HeadroomSource = HeadroomSource.NVML_FREE
+    # NVML free with the engine idle and warmed up (CUDA graphs captured), measured on the lane.
+    idle_free_bytes: ByteSize | None = None
     reserve_bytes: ByteSize = ByteSize(0)
-    # The most a transient can ever get on this lane when idle; larger requests are unfit.
+    # The most a transient can ever get on this lane when idle; larger requests are unfit. Defaults to
+    # idle_free_bytes - reserve_bytes when that is known.
     max_transient_bytes: ByteSize | None = None
     on_exceed: ExceedAction = ExceedAction.HOLD
+
+    @model_validator(mode="after")
+    def _budget_needs_figure(self) -> Vram:
+        if self.headroom is HeadroomSource.IDLE_BUDGET and self.idle_free_bytes is None:
+            raise ValueError("headroom: idle_budget needs idle_free_bytes (NVML free, engine idle and warm)")
+        return self
+
+    def transient_cap(self) -> int | None:
+        if self.max_transient_bytes is not None:
+            return self.max_transient_bytes
+        if self.idle_free_bytes is not None:
+            return self.idle_free_bytes - self.reserve_bytes
+        return None
+
+    @property
+    def uses_gpu_signal(self) -> bool:
+        return self.headroom is HeadroomSource.NVML_FREE
 
 
 class Kv(_Strict):

@@ -7,6 +7,7 @@ import pytest
 from sidecar.cost import request_cost
 from sidecar.gate import Action, Reason, decide
 from sidecar.ledger import LedgerTotals
+from sidecar.policy import HeadroomSource
 from sidecar.signals.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
 from tests.conftest import MIB, maxq, small_policy, snapshot, with_engine
 
@@ -55,26 +56,40 @@ def idle_snapshot() -> Snapshot:
     return Snapshot(engine, gpu, SourceHealth(NOW), SourceHealth(NOW))
 
 
+def maxq_on_live_nvml():
+    """The same lane judged on live NVML free instead of its idle budget (vram.headroom: nvml_free)."""
+    p = maxq().policy
+    return p.model_copy(update={"vram": p.vram.model_copy(update={"headroom": HeadroomSource.NVML_FREE})})
+
+
 @pytest.mark.parametrize(
-    ("state", "prompt_tokens", "action", "reason"),
+    ("headroom", "state", "prompt_tokens", "action", "reason"),
     [
-        ("outage", 200_000, Action.HOLD, Reason.VRAM_HEADROOM),
-        ("outage", 140_000, Action.HOLD, Reason.VRAM_HEADROOM),
-        # A small prompt fits in what is free, but 14 requests already wait inside the engine.
-        ("outage", 2_000, Action.HOLD, Reason.ENGINE_QUEUE),
-        ("idle", 200_000, Action.ADMIT, None),
-        ("idle", 140_000, Action.ADMIT, None),
-        ("idle", 2_000, Action.ADMIT, None),
+        # As shipped (idle budget): 141,178 KV tokens free, 14 requests already waiting in the engine.
+        ("budget", "outage", 200_000, Action.HOLD, Reason.KV_POOL),
+        ("budget", "outage", 140_000, Action.HOLD, Reason.ENGINE_QUEUE),
+        ("budget", "outage", 2_000, Action.HOLD, Reason.ENGINE_QUEUE),
+        # Judged on live NVML: 280.94 MiB free cannot take any long prefill's transients.
+        ("nvml", "outage", 200_000, Action.HOLD, Reason.VRAM_HEADROOM),
+        ("nvml", "outage", 140_000, Action.HOLD, Reason.VRAM_HEADROOM),
+        # A small prompt fits in what is free, but the engine's queue is the constraint.
+        ("nvml", "outage", 2_000, Action.HOLD, Reason.ENGINE_QUEUE),
+        # The same requests on the idle lane are admitted, both ways.
+        ("budget", "idle", 200_000, Action.ADMIT, None),
+        ("nvml", "idle", 200_000, Action.ADMIT, None),
+        ("nvml", "idle", 140_000, Action.ADMIT, None),
+        ("budget", "idle", 2_000, Action.ADMIT, None),
         # At static 0.98 an old-build 500K prefill needs ~2.6 GiB outside the pool; the lane has ~1.3.
-        ("idle", 500_000, Action.REJECT, Reason.UNFIT_REQUEST),
-        ("outage", 500_000, Action.REJECT, Reason.UNFIT_REQUEST),
-        ("idle", 600_000, Action.REJECT, Reason.UNFIT_REQUEST),  # longer than the 524,288 context
+        ("budget", "idle", 500_000, Action.REJECT, Reason.UNFIT_REQUEST),
+        ("budget", "outage", 500_000, Action.REJECT, Reason.UNFIT_REQUEST),
+        ("nvml", "outage", 500_000, Action.REJECT, Reason.UNFIT_REQUEST),
+        ("budget", "idle", 600_000, Action.REJECT, Reason.UNFIT_REQUEST),  # beyond the 524,288 context
     ],
 )
 def test_outage_state_against_maxq_policy(
-    state: str, prompt_tokens: int, action: Action, reason: Reason
+    headroom: str, state: str, prompt_tokens: int, action: Action, reason: Reason
 ) -> None:
-    policy = maxq().policy
+    policy = maxq().policy if headroom == "budget" else maxq_on_live_nvml()
     snap = outage_snapshot() if state == "outage" else idle_snapshot()
     cost = request_cost(policy, prompt_tokens, max_new_tokens=8192)
     d = decide(cost, snap, LedgerTotals(), policy, NOW)
@@ -83,12 +98,26 @@ def test_outage_state_against_maxq_policy(
 
 def test_outage_fails_every_constraint_the_brief_names() -> None:
     """VRAM decides (first in order), but explain must show queue and pending limits failing too."""
-    policy = maxq().policy
+    policy = maxq_on_live_nvml()
     d = decide(request_cost(policy, 200_000), outage_snapshot(), LedgerTotals(), policy, NOW)
     failed = {c.name for c in d.checks if not c.ok}
     assert failed == {"vram_headroom", "kv_pool", "engine_queue", "pending_prefill_tokens"}
     vram = next(c for c in d.checks if c.name == "vram_headroom")
     assert vram.have == int(280.94 * MIB) - policy.vram.reserve_bytes  # headroom = free - reserve - ledger
+
+
+def test_idle_budget_charges_the_ledger_and_ignores_a_stale_gpu() -> None:
+    """On a caching engine the budget decides: prefills in flight use it up; NVML's age does not matter."""
+    from dataclasses import replace
+
+    policy = maxq().policy
+    snap = replace(idle_snapshot(), gpu=None)  # never read: irrelevant in budget mode
+    cost = request_cost(policy, 150_000)
+    assert decide(cost, snap, LedgerTotals(), policy, NOW).admitted
+    busy = LedgerTotals(requests=1, prefill_tokens=150_000, projected_bytes=cost.projected_bytes)
+    d = decide(cost, snap, busy, policy, NOW)
+    assert (d.action, d.reason) == (Action.HOLD, Reason.VRAM_HEADROOM)
+    assert d.headroom_bytes == 1372 * MIB - 128 * MIB - cost.projected_bytes
 
 
 def test_mamba_lane_2_state_holds_for_slots_not_kv() -> None:
