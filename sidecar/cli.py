@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--speed", type=float, default=None, help="emulator time speed-up factor")
     d.add_argument("--seed", type=int, default=7)
     d.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
+    d.add_argument("--cuda", action="store_true", help="real GPU memory (PyTorch) and real NVML instead of the model")
 
     e = sub.add_parser("emulate", help="run the SGLang-compatible engine emulator as a server")
     e.add_argument("--profile", default="maxq-old", help="lane profile (see --list-profiles)")

@@ -186,15 +186,26 @@ class LiveDriver:
 
 
 async def run_phase(
-    scenario: Scenario, policy: LoadedPolicy | None, speed: float, seed: int, label: str, window_s: float
+    scenario: Scenario,
+    policy: LoadedPolicy | None,
+    speed: float,
+    seed: int,
+    label: str,
+    window_s: float,
+    *,
+    cuda: bool = False,
 ) -> dict[str, Any]:
-    """One run: emulator (+ sidecar when ``policy`` is given) on loopback, the scenario's clients."""
+    """One run: emulator (+ sidecar when ``policy`` is given) on loopback, the scenario's clients.
+
+    ``cuda``: the emulator allocates its pool and every transient on the real GPU (a crash is CUDA's
+    own out-of-memory error) and the sidecar reads real NVML instead of the emulator's file.
+    """
     from sidecar.app import SidecarApp
     from sidecar.serving import serve_app
     from sidecar.signals.gpu import parse_gpu_source
 
     profile = get_profile(scenario.profile)
-    model = build_model(profile, seed)
+    model = build_model(profile, seed, cuda=cuda)
     with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:
         gpu_file = Path(tmp) / "gpu.json"
         emu_app = build_emulator_app(model, speed, gpu_file)
@@ -207,7 +218,7 @@ async def run_phase(
                     app = SidecarApp(
                         upstream=emu.url,
                         policy=policy,
-                        gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+                        gpu_source=parse_gpu_source("nvml" if cuda else f"file:{gpu_file}"),
                         decision_log=stack.enter_context((Path(tmp) / "decisions.jsonl").open("w")),
                     )
                     url = await stack.enter_async_context(serve_app(app))
@@ -222,6 +233,8 @@ async def run_phase(
                         task.cancel()
                     await asyncio.gather(*driver.tasks, return_exceptions=True)
                 ledger = app.admission.ledger.totals.requests if app else 0
+                gpu_seen = app.admission.snapshot.gpu if app else None
+    model.release_device()
     crashes = [
         {
             "t": round(c.t - driver._t0, 3),
@@ -236,6 +249,8 @@ async def run_phase(
     out["gate"] = policy is not None
     out["ledger_at_end"] = ledger
     out["requests_detail"] = [r.__dict__ for r in driver.records.values()]
+    out["gpu_source"] = gpu_seen.source if gpu_seen else None
+    out["gpu_free_bytes_last"] = gpu_seen.free_bytes if gpu_seen else None
     return out
 
 
@@ -282,10 +297,14 @@ def run_demo(args: argparse.Namespace) -> int:
         f"  engine emulator: profile {scenario.profile}, {speed:g}x real time; policy {policy.policy.name}; "
         f"times below are engine seconds\n"
     )
+    cuda = bool(getattr(args, "cuda", False))
+    if cuda:
+        print("  --cuda: the pool and every prefill transient are real device memory; the sidecar reads NVML\n")
     print("1) straight at the engine, no gate")
-    ungated = asyncio.run(run_phase(scenario, None, speed, args.seed, "no gate", WINDOW_S))
+    ungated = asyncio.run(run_phase(scenario, None, speed, args.seed, "no gate", WINDOW_S, cuda=cuda))
     print("\n2) the same traffic through the sidecar")
-    gated = asyncio.run(run_phase(scenario, scale_policy(policy, speed), speed, args.seed, "gated", WINDOW_S))
+    gated = asyncio.run(run_phase(scenario, scale_policy(policy, speed), speed, args.seed, "gated", WINDOW_S,
+                                  cuda=cuda))
     results = {"without the gate": ungated, f"with the gate ({policy.policy.name})": gated}
     print()
     print(

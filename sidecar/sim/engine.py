@@ -281,6 +281,10 @@ class EngineModel:
         """The gauges as they are right now; what ``/metrics`` would show if SGLang reported live."""
         return self._gauges(self._clock)
 
+    def release_device(self) -> None:
+        """Free everything the engine holds on its device (the emulator is shutting down)."""
+        self._device.crash()
+
     @property
     def counters(self) -> SchedulerCounters:
         return self._counters
