@@ -56,12 +56,17 @@ def main() -> int:
     p = shipped.policy
     on_nvml = LoadedPolicy(
         p.model_copy(update={"vram": p.vram.model_copy(update={"headroom": HeadroomSource.NVML_FREE})}),
-        shipped.sha256, None,
+        shipped.sha256,
+        None,
     )
     info = facts()
     print(json.dumps(info, indent=1))
     results = {}
-    for label, policy in (("no gate", None), ("gate: idle budget", shipped), ("gate: live NVML free", on_nvml)):
+    for label, policy in (
+        ("no gate", None),
+        ("gate: idle budget", shipped),
+        ("gate: live NVML free", on_nvml),
+    ):
         print(f"\n== {label}")
         scaled = scale_policy(policy, args.speed) if policy else None
         results[label] = asyncio.run(
@@ -73,12 +78,18 @@ def main() -> int:
         for c in r["crashes"]:
             print(f"{label}: crashed at t={c['t']:.0f}s: {c['reason']}")
         if r["gate"]:
-            print(f"{label}: gpu source {r['gpu_source']}, last NVML free {r['gpu_free_bytes_last']} B, "
-                  f"ledger at end {r['ledger_at_end']}")
+            print(
+                f"{label}: gpu source {r['gpu_source']}, last NVML free {r['gpu_free_bytes_last']} B, "
+                f"ledger at end {r['ledger_at_end']}"
+            )
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out = out_dir / "cuda_gate.json"
-    out.write_text(json.dumps({"facts": info, "speed": args.speed, "seed": seed, "results": results},
-                              indent=1, default=str) + "\n")
+    out.write_text(
+        json.dumps(
+            {"facts": info, "speed": args.speed, "seed": seed, "results": results}, indent=1, default=str
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 1 if any(r["crashes"] for r in results.values() if r["gate"]) else 0
 

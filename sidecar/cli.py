@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--speed", type=float, default=None, help="emulator time speed-up factor")
     d.add_argument("--seed", type=int, default=7)
     d.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
-    d.add_argument("--cuda", action="store_true", help="real GPU memory (PyTorch) and real NVML instead of the model")
+    d.add_argument(
+        "--cuda", action="store_true", help="real GPU memory (PyTorch) and real NVML instead of the model"
+    )
 
     e = sub.add_parser("emulate", help="run the SGLang-compatible engine emulator as a server")
     e.add_argument("--profile", default="maxq-old", help="lane profile (see --list-profiles)")
@@ -157,6 +159,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every scrape at INFO: several lines a second of nothing.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         loaded = load_policy_file(settings.policy)
     except PolicyError as e:
@@ -180,7 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
         token = settings.admin_token()
     except (OSError, ValueError) as e:
         return _fail(f"--admin-token-file: {e}")
-    decision_log = open(settings.decision_log, "a", encoding="utf-8") if settings.decision_log else None  # noqa: SIM115
+    # One JSON object per line, to the file or to stderr; replay reads these lines back.
+    decision_log = open(settings.decision_log, "a", encoding="utf-8") if settings.decision_log else sys.stderr  # noqa: SIM115
     from sidecar.app import SidecarApp
 
     app = SidecarApp(

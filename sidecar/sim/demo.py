@@ -299,12 +299,15 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     cuda = bool(getattr(args, "cuda", False))
     if cuda:
-        print("  --cuda: the pool and every prefill transient are real device memory; the sidecar reads NVML\n")
+        print(
+            "  --cuda: the pool and every prefill transient are real device memory; the sidecar reads NVML\n"
+        )
     print("1) straight at the engine, no gate")
     ungated = asyncio.run(run_phase(scenario, None, speed, args.seed, "no gate", WINDOW_S, cuda=cuda))
     print("\n2) the same traffic through the sidecar")
-    gated = asyncio.run(run_phase(scenario, scale_policy(policy, speed), speed, args.seed, "gated", WINDOW_S,
-                                  cuda=cuda))
+    gated = asyncio.run(
+        run_phase(scenario, scale_policy(policy, speed), speed, args.seed, "gated", WINDOW_S, cuda=cuda)
+    )
     results = {"without the gate": ungated, f"with the gate ({policy.policy.name})": gated}
     print()
     print(
