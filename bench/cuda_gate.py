@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sidecar.policy import HeadroomSource, LoadedPolicy, load_policy_file  # noqa: E402
-from sidecar.sim.demo import DEFAULT_SCENARIO, WINDOW_S, run_phase, scale_policy  # noqa: E402
-from sidecar.sim.replay import format_table  # noqa: E402
-from sidecar.sim.scenario import load_scenario  # noqa: E402
+from sidecar.policy import HeadroomSource, LoadedPolicy, load_policy_file
+from sidecar.sim.demo import DEFAULT_SCENARIO, WINDOW_S, run_phase, scale_policy
+from sidecar.sim.replay import format_table
+from sidecar.sim.scenario import load_scenario
 
 
 def facts() -> dict[str, object]:

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sidecar.cost import request_cost
+from sidecar.cost import request_cost_of
 from sidecar.policy import PolicyError, load_policy_text
 from sidecar.proxy import decision_body
 from sidecar.requests import BadRequest, parse_explain
@@ -150,15 +150,7 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
         except BadRequest as e:
             return _err(e.status, e.message, e.code)
         count = await app.counter.count(req)
-        cost = request_cost(
-            a.policy,
-            count.tokens,
-            exact=count.exact,
-            cached_tokens=req.declared_cached_tokens or 0,
-            max_new_tokens=req.max_new_tokens,
-            priority=req.priority,
-            chunk=app._chunk_hint(),
-        )
+        cost = request_cost_of(a.policy, req, count, chunk=app._chunk_hint())
         d = a.evaluate(cost)
         out = decision_body(d, cost.prompt_tokens, cost.projected_bytes)
         out |= {
@@ -180,36 +172,19 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
         text = (await request.body()).decode("utf-8", errors="replace")
         try:
             loaded = load_policy_text(text, "<POST /admission/policy>")
-        except PolicyError as e:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": str(e),
-                        "type": "policy_invalid",
-                        "code": "policy_invalid",
-                        "param": None,
-                    },
-                    "problems": e.problems,
-                    "kept": app.admission.policy.name,
-                },
-                422,
-            )
-        try:
             app.apply_policy(loaded)
         except PolicyError as e:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": str(e),
-                        "type": "policy_invalid",
-                        "code": "policy_invalid",
-                        "param": None,
-                    },
-                    "problems": e.problems,
-                    "kept": app.admission.policy.name,
+            body = {
+                "error": {
+                    "message": str(e),
+                    "type": "policy_invalid",
+                    "code": "policy_invalid",
+                    "param": None,
                 },
-                422,
-            )
+                "problems": e.problems,
+                "kept": app.admission.policy.name,
+            }
+            return JSONResponse(body, 422)
         return JSONResponse({"name": loaded.policy.name, "sha256": loaded.sha256})
 
     @api.get("/metrics")

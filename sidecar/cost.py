@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.policy import Policy
+from sidecar.requests import GenerationRequest
+from sidecar.tokens import TokenCount
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,5 +72,21 @@ def request_cost(
         priority=priority or 0,
         projected_bytes=project_bytes(policy, prompt_tokens, uncached, chunk),
         chunk_tokens=min(uncached, chunk),
+        request_id=request_id,
+    )
+
+
+def request_cost_of(
+    policy: Policy, req: GenerationRequest, count: TokenCount, *, chunk: int | None, request_id: str = ""
+) -> RequestCost:
+    """The cost of a parsed request and its token count (the proxy and ``explain`` share this)."""
+    return request_cost(
+        policy,
+        count.tokens,
+        exact=count.exact,
+        cached_tokens=req.declared_cached_tokens or 0,
+        max_new_tokens=req.max_new_tokens,
+        priority=req.priority,
+        chunk=chunk,
         request_id=request_id,
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
-from sidecar.yamlconf import ConfigError, load_model
+from sidecar.yamlconf import ConfigError, load_model, read_text
 
 
 class StaleAction(StrEnum):
@@ -243,10 +243,5 @@ def load_policy_text(text: str, source: str = "<policy>") -> LoadedPolicy:
 
 
 def load_policy_file(path: str | Path) -> LoadedPolicy:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise PolicyError(str(p), [f"{p}: cannot read: {e.strerror or e}"]) from None
-    loaded = load_policy_text(text, str(p))
-    return LoadedPolicy(loaded.policy, loaded.sha256, str(p))
+    loaded = load_policy_text(read_text(path, PolicyError), str(path))
+    return LoadedPolicy(loaded.policy, loaded.sha256, str(path))

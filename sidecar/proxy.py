@@ -25,7 +25,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
-from sidecar.cost import request_cost
+from sidecar.cost import request_cost_of
 from sidecar.gate import Decision
 from sidecar.requests import BadRequest, GenerationRequest, parse_generation
 from sidecar.tokens import PromptCounter
@@ -200,15 +200,8 @@ class Proxy:
         except asyncio.CancelledError:
             self.admission.observer.outcome(Outcome.CLIENT_GONE)
             raise
-        cost = request_cost(
-            policy,
-            count.tokens,
-            exact=count.exact,
-            cached_tokens=req.declared_cached_tokens or 0,
-            max_new_tokens=req.max_new_tokens,
-            priority=req.priority,
-            chunk=self.chunk_hint(),
-            request_id=req.rid or f"sc-{next(self._ids)}",
+        cost = request_cost_of(
+            policy, req, count, chunk=self.chunk_hint(), request_id=req.rid or f"sc-{next(self._ids)}"
         )
         result = await self._acquire(cost)
         if isinstance(result, Rejection):

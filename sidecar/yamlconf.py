@@ -6,6 +6,7 @@ is not enough, "policy.yaml:27: cost.margin: ..." is.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
@@ -23,6 +24,15 @@ class ConfigError(ValueError):
         self.source = source
         self.problems = problems
         super().__init__(f"{source}: invalid {self.kind}\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def read_text(path: str | Path, error: type[ConfigError] = ConfigError) -> str:
+    """A config file's text, or ``error`` saying why it cannot be read."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise error(str(p), [f"{p}: cannot read: {e.strerror or e}"]) from None
 
 
 def load_model(text: str, model: type[M], source: str, error: type[ConfigError] = ConfigError) -> M:

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sidecar.yamlconf import ConfigError, load_model
+from sidecar.yamlconf import ConfigError, load_model, read_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,12 +132,7 @@ class Scenario(_Strict):
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ScenarioError(str(p), [f"{p}: cannot read: {e.strerror or e}"]) from None
-    return load_model(text, Scenario, str(p), ScenarioError)
+    return load_model(read_text(path, ScenarioError), Scenario, str(path), ScenarioError)
 
 
 def load_trace(path: str | Path, *, profile: str, policy: str, seed: int = 0) -> Scenario:
@@ -151,10 +146,7 @@ def load_trace(path: str | Path, *, profile: str, policy: str, seed: int = 0) ->
     p = Path(path)
     requests: list[Request] = []
     firsts: dict[str, dict] = {}
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ScenarioError(str(p), [f"{p}: cannot read: {e.strerror or e}"]) from None
+    lines = read_text(p, ScenarioError).splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
