@@ -63,6 +63,8 @@ class SidecarApp:
         self._limits = (max_connections, connect_timeout_s, read_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
         self.control: httpx.AsyncClient | None = None
+        self.scraper: EngineScraper | None = None
+        self.gpu_poller: GpuPoller | None = None
 
     # -- ASGI -------------------------------------------------------------------------------------
 
@@ -217,6 +219,11 @@ class SidecarApp:
             self.admission.loaded = previous
             raise PolicyError(loaded.path or "<policy>", [f"prompt.tokenizer_path: {e}"]) from None
         self.admission.reload(loaded)
+        # Pollers read their interval before each sleep: the new cadence applies from the next poll.
+        if self.scraper is not None:
+            self.scraper.interval_s = loaded.policy.engine.poll_interval_s
+        if self.gpu_poller is not None:
+            self.gpu_poller.interval_s = loaded.policy.gpu.poll_interval_s
         log.info("policy %s (%s) in force", loaded.policy.name, loaded.sha256[:12])
 
 

@@ -364,12 +364,14 @@ async def poll_forever(
     read: Callable[[], Awaitable[T]],
     on_update: Callable[[T | None, SourceHealth], None],
     *,
-    interval_s: float,
+    interval_s: float | Callable[[], float],
     clock: Callable[[], float],
     name: str,
     expected: ExpectedErrors = (),
 ) -> NoReturn:
     """Call ``read`` every ``interval_s`` and report each attempt; never dies except by cancellation.
+
+    ``interval_s`` may be a callable, read before each sleep, so a policy reload changes the cadence.
 
     A failed read reports ``None`` with the previous ``last_ok_at`` kept, so the gate can tell a
     stale-but-known signal from a source that never answered. ``expected`` errors are logged as one
@@ -403,7 +405,8 @@ async def poll_forever(
             on_update(value, health)
         except Exception:
             log.exception("%s: on_update callback failed", name)
-        await asyncio.sleep(max(0.0, interval_s - (clock() - started)))
+        interval = interval_s() if callable(interval_s) else interval_s
+        await asyncio.sleep(max(0.0, interval - (clock() - started)))
 
 
 class EngineScraper:
@@ -592,7 +595,7 @@ class EngineScraper:
         await poll_forever(
             self.poll_once,
             on_update,
-            interval_s=self.interval_s,
+            interval_s=lambda: self.interval_s,
             clock=self._clock,
             name=f"engine {self.base_url}",
             expected=(EngineUnavailable,),

@@ -441,7 +441,7 @@ class GpuPoller:
         await poll_forever(
             self.read,
             on_update,
-            interval_s=self.interval_s,
+            interval_s=lambda: self.interval_s,
             clock=self._clock,
             name=f"gpu {self.source.spec}",
             expected=(GpuSourceError,),
