@@ -128,37 +128,38 @@ def decide(
     them (a queued request is never rejected for ``queue_full``), ``waited_s`` how long it has waited.
     """
     headroom = headroom_bytes(policy, snap, ledger)
+    action, reason, checks = _judge(cost, snap, ledger, policy, now, headroom)
+    # The hold queue's own bounds turn a hold into a rejection.
+    if action is Action.HOLD and waited_s >= policy.hold.max_wait_s:
+        action, reason = Action.REJECT, Reason.HOLD_TIMEOUT
+    elif action is Action.HOLD and not queued and held >= policy.hold.max_held:
+        action, reason = Action.REJECT, Reason.QUEUE_FULL
+    retry = retry_after_s(policy, snap, ledger, cost, reason) if action is Action.REJECT else None
+    return Decision(action, reason, retry, headroom, checks)
 
-    def verdict(action: Action, reason: Reason | None, checks: tuple[Check, ...] = ()) -> Decision:
-        retry = retry_after_s(policy, snap, ledger, cost, reason) if action is Action.REJECT else None
-        return Decision(action, reason, retry, headroom, checks)
 
+def _judge(
+    cost: RequestCost,
+    snap: Snapshot,
+    ledger: LedgerTotals,
+    policy: Policy,
+    now: float,
+    headroom: int | None,
+) -> tuple[Action, Reason | None, tuple[Check, ...]]:
+    """Steps 1-3 of the module docstring: fit, sight, then the constraints."""
     unfit = _unfit(cost, snap, policy)
     if unfit is not None:
-        return verdict(Action.REJECT, Reason.UNFIT_REQUEST, (unfit,))
-
+        return Action.REJECT, Reason.UNFIT_REQUEST, (unfit,)
     blind = _blindness(snap, policy, now)
     if blind is not None:
         action, reason, check = blind
-        if action is not Action.ADMIT:
-            return _bounded(verdict, action, reason, (check,), policy, held, queued, waited_s)
-
+        return action, reason, (check,)
     checks = _constraints(cost, snap, ledger, policy, now, headroom)
     failed = next((c for c in checks if not c.ok), None)
     if failed is None:
-        return verdict(Action.ADMIT, None, checks)
-    action = Action.REJECT if _on_exceed(policy, failed.name) is ExceedAction.REJECT else Action.HOLD
-    return _bounded(verdict, action, Reason(failed.name), checks, policy, held, queued, waited_s)
-
-
-def _bounded(verdict, action, reason, checks, policy, held, queued, waited_s) -> Decision:  # type: ignore[no-untyped-def]
-    """Turn a hold into the hold queue's own rejections when its bounds are reached."""
-    if action is Action.HOLD:
-        if waited_s >= policy.hold.max_wait_s:
-            return verdict(Action.REJECT, Reason.HOLD_TIMEOUT, checks)
-        if not queued and held >= policy.hold.max_held:
-            return verdict(Action.REJECT, Reason.QUEUE_FULL, checks)
-    return verdict(action, reason, checks)
+        return Action.ADMIT, None, checks
+    hold = _on_exceed(policy, failed.name) is ExceedAction.HOLD
+    return (Action.HOLD if hold else Action.REJECT), Reason(failed.name), checks
 
 
 def _unfit(cost: RequestCost, snap: Snapshot, policy: Policy) -> Check | None:
@@ -203,8 +204,8 @@ def _blindness(snap: Snapshot, policy: Policy, now: float) -> tuple[Action, Reas
             policy.gpu if policy.gpu.required and policy.vram.uses_gpu_signal else None,
         ),
     ):
-        if sp is None or (age is not None and age <= sp.max_age_s):
-            continue
+        if sp is None or (age is not None and age <= sp.max_age_s) or sp.on_stale is StaleAction.ADMIT:
+            continue  # fresh, or the policy admits blind on this signal (its constraints then pass)
         check = Check("signals_stale", False, sp.max_age_s, age, f"{name} signals " + _age_text(age))
         return _stale_action(sp), Reason.SIGNALS_STALE, check
     return None
@@ -215,7 +216,7 @@ def _age_text(age: float | None) -> str:
 
 
 def _stale_action(sp: SignalPolicy) -> Action:
-    return {StaleAction.HOLD: Action.HOLD, StaleAction.REJECT: Action.REJECT}.get(sp.on_stale, Action.ADMIT)
+    return Action.REJECT if sp.on_stale is StaleAction.REJECT else Action.HOLD
 
 
 def _fresh(snap_age: float | None, sp: SignalPolicy) -> bool:

@@ -183,6 +183,18 @@ def test_stale_engine_follows_the_policy(on_stale: str, action: Action, reason: 
     assert (d.action, d.reason) == (action, reason)
 
 
+def test_admitting_blind_on_one_signal_still_checks_the_other() -> None:
+    from dataclasses import replace
+
+    policy = small_policy(engine__on_stale="admit", gpu__on_stale="hold").policy
+    snap = snapshot(NOW - 10)  # both stale: the engine's staleness is waved through, the GPU's is not
+    d = decide(request_cost(policy, 10), snap, LedgerTotals(), policy, NOW)
+    assert (d.action, d.reason) == (Action.HOLD, Reason.SIGNALS_STALE)
+    assert "gpu signals" in d.checks[0].note
+    fresh_gpu = replace(snap, gpu=snapshot(NOW).gpu)
+    assert decide(request_cost(policy, 10), fresh_gpu, LedgerTotals(), policy, NOW).admitted
+
+
 def test_never_read_is_stale_not_zero() -> None:
     policy = small_policy().policy
     d = decide(request_cost(policy, 10), Snapshot(), LedgerTotals(), policy, NOW)
