@@ -104,6 +104,9 @@ def headroom_bytes(policy: Policy, snap: Snapshot, ledger: LedgerTotals) -> int 
     if not v.uses_gpu_signal:
         assert v.idle_free_bytes is not None
         free = v.idle_free_bytes
+        other = snap.gpu.other_process_bytes if snap.gpu is not None else None
+        if other is not None and v.other_processes_bytes is not None:
+            free -= max(0, other - v.other_processes_bytes)  # a neighbour grew: it is not the engine's
     elif snap.gpu is None or snap.gpu.free_bytes is None:
         return None
     else:

@@ -81,8 +81,9 @@ class HeadroomSource(StrEnum):
     keeps freed transients reserved (on an H200, one 500K prefill left NVML free ~100 MiB of an idle
     3.2 GiB although its live transients peaked at 1.4 GiB), and the gate would then hold everything.
     ``idle_budget``: the lane's measured idle free memory (``idle_free_bytes``), minus the reserve,
-    minus what the ledger's prefills will allocate. Right for caching engines; blind to another process
-    growing on the card. NVML is still read, exported and shown in both modes.
+    minus what the ledger's prefills will allocate, minus what other processes on the card hold beyond
+    ``other_processes_bytes`` (read live from NVML's per-process list when the source can tell). Right
+    for caching engines. NVML is still read, exported and shown in both modes.
     """
 
     NVML_FREE = "nvml_free"
@@ -93,6 +94,9 @@ class Vram(_Strict):
     headroom: HeadroomSource = HeadroomSource.NVML_FREE
     # NVML free with the engine idle and warmed up (CUDA graphs captured), measured on the lane.
     idle_free_bytes: ByteSize | None = None
+    # What other processes held on the card when idle_free_bytes was measured; growth beyond it comes
+    # out of the budget (idle_budget mode, GPU sources that report per-process memory).
+    other_processes_bytes: ByteSize | None = None
     reserve_bytes: ByteSize = ByteSize(0)
     # The most a transient can ever get on this lane when idle; larger requests are unfit. Defaults to
     # idle_free_bytes - reserve_bytes when that is known.

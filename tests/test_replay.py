@@ -234,3 +234,14 @@ def test_live_nvml_free_starves_a_caching_engine_and_the_idle_budget_does_not() 
     assert on_nvml["rejected_by_reason"].get("hold_timeout", 0) > 0  # held until they gave up
     assert on_budget["rejected_by_reason"].get("hold_timeout", 0) == 0
     assert on_budget["completed"] > on_nvml["completed"]
+
+
+def test_a_neighbour_growing_on_the_card_is_taken_out_of_the_budget() -> None:
+    """Budget mode still reads the card live: another process's growth comes out of the headroom."""
+    path = ROOT / "scenarios" / "noisy-neighbour.yaml"
+    ungated, gated = replay(path, False), replay(path, True)
+    assert "out of memory" in ungated["crashes"][0]["reason"]
+    assert gated["crashes"] == [] and gated["failed"] == 0
+    assert gated["decisions"].get("hold/vram_headroom", 0) >= 1
+    held = [r for r in gated["requests_detail"] if r["held_s"] > 0]
+    assert held and all(r["outcome"] == "completed" for r in held)

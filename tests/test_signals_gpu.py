@@ -522,3 +522,29 @@ async def test_poller_survives_a_source_that_raises_anything() -> None:
 def test_poller_rejects_a_non_positive_interval() -> None:
     with pytest.raises(ValueError, match="interval_s"):
         GpuPoller(FileSource("/x"), interval_s=0)
+
+
+class _Proc:
+    def __init__(self, used: int | None) -> None:
+        self.usedGpuMemory = used
+        self.pid = 1
+
+
+async def test_nvml_reports_what_other_processes_hold(tmp_path: Path) -> None:
+    """Every compute process but the largest (the engine) is a neighbour whose growth the budget sees."""
+    import types
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlMemory_v2=2,
+        nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+        nvmlDeviceGetMemoryInfo=lambda h, version: types.SimpleNamespace(free=GIB, total=96 * GIB),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [_Proc(90 * GIB), _Proc(676 * 2**20), _Proc(GIB)],
+    )
+    got = await parse_gpu_source("nvml:GPU-a", nvml=fake).read(1.0)
+    assert got.other_process_bytes == 676 * 2**20 + GIB
+    fake.nvmlDeviceGetComputeRunningProcesses = lambda h: [_Proc(90 * GIB), _Proc(None)]  # not reported
+    assert (await parse_gpu_source("nvml:GPU-a", nvml=fake).read(1.0)).other_process_bytes is None
+
+    path = write(tmp_path / "gpu.json", {"free_bytes": GIB, "total_bytes": 2 * GIB, "other_process_bytes": 5})
+    assert (await parse_gpu_source(f"file:{path}").read(1.0)).other_process_bytes == 5

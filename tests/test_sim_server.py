@@ -348,7 +348,11 @@ async def test_gpu_file_is_written_for_the_file_source(tmp_path: Path) -> None:
     try:
         await eventually(gpu_file.exists, "the GPU file was written")
         data = json.loads(gpu_file.read_text())
-        assert data == {"free_bytes": profile.idle_free_bytes, "total_bytes": profile.device_total_bytes}
+        assert data == {
+            "free_bytes": profile.idle_free_bytes,
+            "total_bytes": profile.device_total_bytes,
+            "other_process_bytes": profile.other_process_bytes,
+        }
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             body = {
                 "text": "x",

@@ -175,8 +175,26 @@ class NvmlSource:
                 mem = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
             except Exception as exc:
                 raise self._fail("nvmlDeviceGetMemoryInfo", exc, uuid) from exc
-            devices.append(DeviceMemory(ident=uuid, free_bytes=int(mem.free), total_bytes=int(mem.total)))
+            devices.append(
+                DeviceMemory(uuid, int(mem.free), int(mem.total), self._other_process_bytes(nvml, handle))
+            )
         return GpuSignals(observed_at=now, source=self.spec, devices=tuple(devices))
+
+    @staticmethod
+    def _other_process_bytes(nvml: Any, handle: Any) -> int | None:
+        """Memory of every compute process on the device but the largest (taken to be the engine).
+
+        None when NVML will not say (no permission, a container that cannot see the processes, or a
+        driver that reports no per-process usage): the budget then cannot see a neighbour grow.
+        """
+        try:
+            procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:
+            return None
+        used = [p.usedGpuMemory for p in procs if isinstance(getattr(p, "usedGpuMemory", None), int)]
+        if len(used) != len(procs) or not used:
+            return None
+        return sum(used) - max(used)
 
     async def aclose(self) -> None:
         if self._initialized:
@@ -309,7 +327,8 @@ def _device_from(obj: object, ident: str, where: str) -> DeviceMemory:
     free, total = _byte_count(obj, "free_bytes", where), _byte_count(obj, "total_bytes", where)
     if free > total:
         raise GpuSourceError(f"{where}: free_bytes {free} is larger than total_bytes {total}")
-    return DeviceMemory(ident=ident, free_bytes=free, total_bytes=total)
+    other = _byte_count(obj, "other_process_bytes", where) if "other_process_bytes" in obj else None
+    return DeviceMemory(ident=ident, free_bytes=free, total_bytes=total, other_process_bytes=other)
 
 
 def parse_gpu_file(text: str, path: str) -> list[DeviceMemory]:

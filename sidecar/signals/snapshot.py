@@ -58,11 +58,16 @@ class EngineSignals:
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
-    """One GPU's memory, in bytes. ``ident`` is the NVML UUID, a DCGM label, or the file path."""
+    """One GPU's memory, in bytes. ``ident`` is the NVML UUID, a DCGM label, or the file path.
+
+    ``other_process_bytes``: what processes other than the engine hold on this device (NVML: every
+    compute process but the largest), or None where the source cannot tell (dcgm, plain files).
+    """
 
     ident: str
     free_bytes: int
     total_bytes: int
+    other_process_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,12 @@ class GpuSignals:
         if not self.devices:
             return None
         return min(self.devices, key=lambda d: d.free_bytes).total_bytes
+
+    @property
+    def other_process_bytes(self) -> int | None:
+        """The most any device's other processes hold (None when no device can tell)."""
+        known = [d.other_process_bytes for d in self.devices if d.other_process_bytes is not None]
+        return max(known, default=None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,6 +226,13 @@ async def run_phase(
                 async with aiohttp.ClientSession(timeout=timeout) as session:
                     driver = LiveDriver(scenario, url, emu.emulator.now, speed, session, seed)
                     driver.start_clients()
+                    for ev in scenario.gpu_events:
+                        driver.at(
+                            ev.t,
+                            lambda ev=ev: model.set_other_process_bytes(
+                                int(ev.other_process_bytes), emu.emulator.now()
+                            ),
+                        )
                     await _progress(driver, model, app, label, window_s)
                     for handle in driver.timers:
                         handle.cancel()

@@ -61,14 +61,20 @@ class ModeledDevice:
         self.profile = profile
         self.total_bytes = profile.device_total_bytes
         self._idle_free = profile.idle_free_bytes
+        self.other_process_bytes = profile.other_process_bytes
         self._live = 0
         self._cached = 0
         self._down = False
 
+    def set_other_process_bytes(self, nbytes: int) -> None:
+        """Another process on the card grows or shrinks: it takes or gives back the engine's room."""
+        self._idle_free -= nbytes - self.other_process_bytes
+        self.other_process_bytes = nbytes
+
     def free_bytes(self) -> int:
         if self._down:
             p = self.profile
-            return p.device_total_bytes - p.device_reserved_bytes - p.other_process_bytes
+            return p.device_total_bytes - p.device_reserved_bytes - self.other_process_bytes
         held = max(self._live, self._cached) if self.profile.allocator_caches_transients else self._live
         return self._idle_free - held
 

@@ -281,6 +281,19 @@ class EngineModel:
         """The gauges as they are right now; what ``/metrics`` would show if SGLang reported live."""
         return self._gauges(self._clock)
 
+    @property
+    def other_process_bytes(self) -> int | None:
+        """What other processes hold on the device (None on a real GPU: NVML says that there)."""
+        return getattr(self._device, "other_process_bytes", None)
+
+    def set_other_process_bytes(self, nbytes: int, now: float) -> None:
+        """A neighbour on the card changes its memory at ``now`` (a scenario's GPU event)."""
+        self._advance_to(now)
+        setter = getattr(self._device, "set_other_process_bytes", None)
+        if setter is None:
+            raise ValueError("this device cannot change other processes' memory (a real GPU)")
+        setter(nbytes)
+
     def release_device(self) -> None:
         """Free everything the engine holds on its device (the emulator is shutting down)."""
         self._device.crash()

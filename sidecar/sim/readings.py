@@ -55,4 +55,5 @@ def engine_signals(model: EngineModel, now: float) -> EngineSignals:
 
 
 def gpu_signals(model: EngineModel, now: float, ident: str = "GPU-emulated") -> GpuSignals:
-    return GpuSignals(now, "emulator", (DeviceMemory(ident, model.free_bytes(now), model.total_bytes),))
+    device = DeviceMemory(ident, model.free_bytes(now), model.total_bytes, model.other_process_bytes)
+    return GpuSignals(now, "emulator", (device,))

@@ -462,6 +462,10 @@ class Driver:
             else:
                 c.start()
         self.at(0.0, self._sample, True)
+        for ev in self.scenario.gpu_events:
+            self.at(
+                ev.t, lambda ev=ev: self.engine.set_other_process_bytes(int(ev.other_process_bytes), self.t)
+            )
         end = self.scenario.duration_s
         while True:
             t_driver = self._heap[0][0] if self._heap else math.inf

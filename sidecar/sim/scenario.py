@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from sidecar.yamlconf import ConfigError, load_model, read_text
 
@@ -100,6 +100,13 @@ class Agents(_Strict):
     retries: int = Field(default=3, ge=0)
 
 
+class GpuEvent(_Strict):
+    """At ``t``, another process on the card holds ``other_process_bytes`` (a neighbour grows)."""
+
+    t: float = Field(ge=0)
+    other_process_bytes: ByteSize
+
+
 Workload = Annotated[Requests | Burst | Rounds | Agents, Field(discriminator="kind")]
 
 
@@ -114,6 +121,7 @@ class Scenario(_Strict):
     # A client that is rejected waits Retry-After (or this, when the failure gave none) and retries.
     retry_after_default_s: float = Field(default=30, gt=0)
     workload: list[Workload] = Field(min_length=1)
+    gpu_events: list[GpuEvent] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _joins_exist(self) -> Scenario:

@@ -403,7 +403,13 @@ class Emulator:
     def _write_gpu_file(self) -> None:
         if self.gpu_file is None:
             return
-        payload = json.dumps({"free_bytes": self.model.free_bytes(), "total_bytes": self.model.total_bytes})
+        reading: dict[str, int] = {
+            "free_bytes": self.model.free_bytes(),
+            "total_bytes": self.model.total_bytes,
+        }
+        if self.model.other_process_bytes is not None:
+            reading["other_process_bytes"] = self.model.other_process_bytes
+        payload = json.dumps(reading)
         tmp = self.gpu_file.with_name(f".{self.gpu_file.name}.{os.getpid()}.tmp")
         tmp.write_text(payload)
         os.replace(tmp, self.gpu_file)
