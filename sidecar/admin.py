@@ -75,10 +75,17 @@ def state(app: SidecarApp) -> dict[str, Any]:
             "free_bytes": g.free_bytes if g else None,
             "total_bytes": g.total_bytes if g else None,
             "source": g.source if g else (app.gpu_source.spec if app.gpu_source else None),
+            "other_process_bytes": g.other_process_bytes if g else None,
             "devices": [
-                {"id": d.ident, "free_bytes": d.free_bytes, "total_bytes": d.total_bytes}
+                {
+                    "id": d.ident,
+                    "free_bytes": d.free_bytes,
+                    "total_bytes": d.total_bytes,
+                    "other_process_bytes": d.other_process_bytes,
+                }
                 for d in (g.devices if g else ())
             ],
+            "headroom_from": a.policy.vram.headroom.value,
             "age_s": snap.gpu_age(now),
             "consecutive_failures": snap.gpu_health.consecutive_failures,
             "last_error": snap.gpu_health.last_error,

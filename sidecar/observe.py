@@ -196,9 +196,15 @@ class StateCollector(Collector):
         yield pending
 
         free = GaugeMetricFamily(PREFIX + "gpu_free_bytes", "Free memory per GPU", labels=["gpu"])
+        other = GaugeMetricFamily(
+            PREFIX + "gpu_other_process_bytes", "Memory other processes hold per GPU", labels=["gpu"]
+        )
         for d in g.devices if g else ():
             free.add_metric([d.ident], float(d.free_bytes))
+            if d.other_process_bytes is not None:
+                other.add_metric([d.ident], float(d.other_process_bytes))
         yield free
+        yield other
 
         age = GaugeMetricFamily(
             PREFIX + "signal_age_seconds", "Age of the last successful read", labels=["signal"]
