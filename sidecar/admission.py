@@ -14,17 +14,20 @@ cancelled), and each end is reported to the observer as one outcome. The clock i
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import count
 from typing import Protocol
 
-from sidecar.cost import RequestCost
+from sidecar.cost import RequestCost, repriced
 from sidecar.gate import Action, Decision, Reason, decide, kv_tokens_needed, mamba_slots_needed, retry_after_s
 from sidecar.ledger import Ledger, LedgerEntry, LedgerTotals
 from sidecar.policy import LoadedPolicy, Policy
 from sidecar.signals.snapshot import Snapshot
+
+log = logging.getLogger("sidecar.admission")
 
 
 class Outcome(StrEnum):
@@ -51,6 +54,26 @@ class NullObserver:
 
     def outcome(self, outcome: Outcome) -> None:
         pass
+
+
+class _Guarded:
+    """An observer that cannot break the bookkeeping: a failing metrics or log call is logged, never
+    raised into ``submit``/``finish`` after the ledger was charged (that would leak the entry)."""
+
+    def __init__(self, inner: Observer) -> None:
+        self.inner = inner
+
+    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
+        try:
+            self.inner.decision(d, cost, waited_s, ledger)
+        except Exception:
+            log.exception("observer failed on a decision; admission goes on")
+
+    def outcome(self, outcome: Outcome) -> None:
+        try:
+            self.inner.outcome(outcome)
+        except Exception:
+            log.exception("observer failed on an outcome; admission goes on")
 
 
 @dataclass(slots=True, eq=False)
@@ -141,7 +164,7 @@ class Admission:
         self.loaded = policy
         self.clock = clock
         self.shadow = shadow
-        self.observer: Observer = observer or NullObserver()
+        self.observer: Observer = _Guarded(observer or NullObserver())
         self.snapshot = Snapshot()
         self.ledger = Ledger()
         self.draining = False
@@ -230,7 +253,11 @@ class Admission:
         self.pump()
 
     def reload(self, policy: LoadedPolicy) -> None:
+        """A new policy: held requests are priced again under it, then re-decided."""
         self.loaded = policy
+        for w in self._queue.heap:
+            if not w.done:
+                w.cost = repriced(policy.policy, w.cost)
         self.pump()
 
     def drain(self) -> None:

@@ -59,7 +59,9 @@ class SidecarApp:
         self.counter = PromptCounter(self._counter_config(), engine_tokenize=self._engine_tokenize)
         self.proxy = Proxy(self.upstream, self.admission, self.counter, chunk_hint=self._chunk_hint)
         self.admin = build_admin(self, admin_token)
-        self.registry.register(StateCollector(self.admission, clock, self.gate_open))
+        self.registry.register(
+            StateCollector(self.admission, clock, self.gate_open, lambda: self.telemetry.dropped_log_lines)
+        )
         self._limits = (max_connections, connect_timeout_s, read_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
         self.control: httpx.AsyncClient | None = None
@@ -71,7 +73,8 @@ class SidecarApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
-            if path in self.admission.policy.gated_paths and scope["method"] == "POST":
+            # SGLang serves /generate on POST and PUT: both are generation requests.
+            if path in self.admission.policy.gated_paths and scope["method"] in ("POST", "PUT"):
                 await self.proxy(scope, receive, send, gated=True)
             elif path in ADMIN_PATHS:
                 await self.admin(scope, receive, send)
@@ -129,6 +132,7 @@ class SidecarApp:
             await self.control.aclose()
         if self.gpu_source is not None:
             await self.gpu_source.aclose()
+        self.telemetry.close()
 
     # -- signals ----------------------------------------------------------------------------------
 

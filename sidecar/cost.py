@@ -26,6 +26,8 @@ class RequestCost:
     priority: int = 0
     projected_bytes: int = 0
     chunk_tokens: int = 0
+    # The chunked-prefill size the projection used (the engine's, else the policy's lane).
+    chunk_size: int = 0
     # Not an input to the decision: ties a request's decision-log lines together (hold, then admit).
     request_id: str = ""
 
@@ -72,7 +74,22 @@ def request_cost(
         priority=priority or 0,
         projected_bytes=project_bytes(policy, prompt_tokens, uncached, chunk),
         chunk_tokens=min(uncached, chunk),
+        chunk_size=chunk,
         request_id=request_id,
+    )
+
+
+def repriced(policy: Policy, c: RequestCost) -> RequestCost:
+    """The same request priced under another policy (a reload while it is held)."""
+    return request_cost(
+        policy,
+        c.prompt_tokens,
+        exact=c.exact,
+        cached_tokens=c.cached_tokens,
+        max_new_tokens=c.max_new_tokens,
+        priority=c.priority,
+        chunk=c.chunk_size or None,
+        request_id=c.request_id,
     )
 
 

@@ -8,14 +8,17 @@ an absent series, never a 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import IO, TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sidecar.admission import Outcome
@@ -30,6 +33,52 @@ PREFIX = "sglang_sidecar_"
 HOLD_BUCKETS = (0.005, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 log = logging.getLogger("sidecar.decision")
+
+
+class LineWriter:
+    """Writes lines on its own thread, so the event loop never waits on a disk or a full pipe.
+
+    Bounded: if the writer falls ``max_pending`` lines behind, new lines are dropped and counted
+    (``decision_log_dropped_total``) rather than growing memory or blocking requests.
+    """
+
+    def __init__(self, stream: IO[str], max_pending: int = 100_000) -> None:
+        self.stream = stream
+        self.dropped = 0
+        self._q: queue.Queue[str | None] = queue.Queue(max_pending)
+        self._thread = threading.Thread(target=self._run, name="decision-log", daemon=True)
+        self._thread.start()
+
+    def put(self, line: str) -> None:
+        try:
+            self._q.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        while True:
+            line = self._q.get()
+            batch: list[str] = []
+            while line is not None:
+                batch.append(line)
+                try:
+                    line = self._q.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                try:
+                    self.stream.write("\n".join(batch) + "\n")
+                    self.stream.flush()
+                except (OSError, ValueError):
+                    self.dropped += len(batch)
+            if line is None:
+                return
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued, then stop."""
+        with contextlib.suppress(queue.Full):
+            self._q.put(None, timeout=timeout_s)
+        self._thread.join(timeout_s)
 
 
 class Telemetry:
@@ -59,7 +108,7 @@ class Telemetry:
             buckets=HOLD_BUCKETS,
             registry=registry,
         )
-        self._log_stream = decision_log
+        self._writer = LineWriter(decision_log) if decision_log is not None else None
         self.context: Callable[[], dict[str, Any]] = dict
 
     def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
@@ -67,11 +116,18 @@ class Telemetry:
         if d.action is not Action.HOLD:
             self._hold.observe(waited_s)
         line = decision_record(d, cost, waited_s, ledger, self.context())
-        if self._log_stream is not None:
-            self._log_stream.write(line + "\n")
-            self._log_stream.flush()
+        if self._writer is not None:
+            self._writer.put(line)
         else:
-            log.info(line)
+            log.debug(line)
+
+    @property
+    def dropped_log_lines(self) -> int:
+        return self._writer.dropped if self._writer is not None else 0
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
     def outcome(self, outcome: Outcome) -> None:
         self._outcomes[outcome].inc()
@@ -120,11 +176,16 @@ class StateCollector(Collector):
     """Gauges read from the admission controller at scrape time."""
 
     def __init__(
-        self, admission: Admission, clock: Callable[[], float], gate_open: Callable[[], bool]
+        self,
+        admission: Admission,
+        clock: Callable[[], float],
+        gate_open: Callable[[], bool],
+        dropped_log_lines: Callable[[], int] = lambda: 0,
     ) -> None:
         self.admission = admission
         self.clock = clock
         self.gate_open = gate_open
+        self.dropped_log_lines = dropped_log_lines
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -218,6 +279,12 @@ class StateCollector(Collector):
         fails.add_metric(["engine"], float(snap.engine_health.consecutive_failures))
         fails.add_metric(["gpu"], float(snap.gpu_health.consecutive_failures))
         yield fails
+
+        dropped = CounterMetricFamily(
+            PREFIX + "decision_log_dropped", "Decision-log lines dropped because the writer fell behind"
+        )
+        dropped.add_metric([], float(self.dropped_log_lines()))
+        yield dropped
 
         info = GaugeMetricFamily(PREFIX + "policy_info", "The policy in force", labels=["name", "sha256"])
         info.add_metric([a.policy.name, a.loaded.sha256], 1.0)

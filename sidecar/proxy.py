@@ -168,6 +168,15 @@ class Proxy:
     # -- entry ---------------------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, gated: bool) -> None:
+        if not gated:
+            # Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives.
+            try:
+                body = await _PassThroughBody.start(scope, receive)
+            except ClientGone:
+                return
+            work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
+            await _until_disconnect(work, receive, after=body.done)
+            return
         policy = self.admission.policy
         try:
             body = await _read_body(scope, receive, policy.limits.max_body_bytes)
@@ -180,8 +189,7 @@ class Proxy:
             if gated:
                 self.admission.observer.outcome(Outcome.CLIENT_GONE)
             return
-        work = self._gated(scope, body, send) if gated else self._forward(scope, body, send, None, [])
-        await _until_disconnect(work, receive)
+        await _until_disconnect(self._gated(scope, body, send), receive)
 
     # -- gated ---------------------------------------------------------------------------------------
 
@@ -233,12 +241,12 @@ class Proxy:
         try:
             return await fut
         except asyncio.CancelledError:
-            # The client left while held. Cancelling this task cancelled `fut` too, unless the gate had
-            # already answered: if that answer was a ticket, end it, or the ledger would leak.
-            if fut.done() and not fut.cancelled():
-                result = fut.result()
-                if isinstance(result, Ticket):
-                    result.finish(Outcome.CLIENT_GONE)
+            # The client left while held. Cancelling this task cancelled `fut` too, so ask the waiter:
+            # the gate may have answered in the same instant (a poll or a release pumped the queue
+            # before this task woke). A ticket must then be ended, or its ledger entry would leak.
+            if res.done:
+                if isinstance(res.result, Ticket):
+                    res.result.finish(Outcome.CLIENT_GONE)
             else:
                 self.admission.cancel(res)
             raise
@@ -255,6 +263,8 @@ class Proxy:
         ticket: Ticket | None,
         extra_headers: list[tuple[bytes, bytes]],
         req: GenerationRequest | None = None,
+        *,
+        keep_length: bool = False,
     ) -> None:
         assert self.session is not None, "proxy used outside the app's lifespan"
         url = self.upstream + scope["raw_path"].decode("latin-1")
@@ -267,7 +277,7 @@ class Proxy:
                 scope["method"],
                 URL(url, encoded=True),  # relay the path and query byte for byte, no re-quoting
                 data=body or None,
-                headers=_request_headers(scope),
+                headers=_request_headers(scope, keep_length=keep_length),
                 allow_redirects=False,
             ) as resp:
                 headers = _response_headers(resp.raw_headers) + extra_headers
@@ -286,7 +296,8 @@ class Proxy:
             raise
         except (aiohttp.ClientError, TimeoutError) as e:
             if not started:
-                await send_response(send, _upstream_error(e, self.upstream))
+                status, headers, payload = _upstream_error(e, self.upstream)
+                await send_response(send, (status, headers + extra_headers, payload))
             else:
                 # Headers are gone; the only honest signal left is to break the connection, so the
                 # client does not mistake a truncated stream for a complete one.
@@ -335,14 +346,68 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def _until_disconnect(work: Awaitable[None], receive: Receive) -> None:
-    """Run ``work``; if the client disconnects first, cancel it (its finally blocks do the cleanup)."""
+class _PassThroughBody:
+    """A pass-through request's body: read at once when small, else relayed to the engine as it arrives.
+
+    ``done`` is set once the body has been read: only then may the disconnect listener take over
+    ``receive`` (two readers of one ASGI channel would steal each other's messages).
+    """
+
+    INLINE_LIMIT = 1 << 20
+
+    def __init__(self, data: Any, streaming: bool) -> None:
+        self.data = data
+        self.streaming = streaming
+        self.done = asyncio.Event()
+
+    @classmethod
+    async def start(cls, scope: Scope, receive: Receive) -> _PassThroughBody:
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        chunked = any(k == b"transfer-encoding" for k, _ in scope["headers"])
+        if not chunked and (length is None or (length.isdigit() and int(length) <= cls.INLINE_LIMIT)):
+            msg = await receive()
+            parts = [msg.get("body", b"")]
+            while msg.get("more_body"):
+                msg = await receive()
+                parts.append(msg.get("body", b""))
+            if msg["type"] == "http.disconnect":
+                raise ClientGone
+            body = cls(b"".join(parts), streaming=False)
+            body.done.set()
+            return body
+        body = cls(None, streaming=True)
+        body.data = body._relay(receive)
+        return body
+
+    async def _relay(self, receive: Receive) -> Any:
+        try:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise ClientGone
+                if chunk := msg.get("body", b""):
+                    yield chunk
+                if not msg.get("more_body", False):
+                    return
+        finally:
+            self.done.set()
+
+
+async def _until_disconnect(
+    work: Awaitable[None], receive: Receive, after: asyncio.Event | None = None
+) -> None:
+    """Run ``work``; if the client disconnects first, cancel it (its finally blocks do the cleanup).
+
+    ``after``: start listening only once this is set (the request body is still being read).
+    """
     task = asyncio.ensure_future(work)
     # Let the task take its first step before anything can cancel it: a coroutine cancelled before it
     # starts runs none of its own cleanup, and its outcome would go unrecorded.
     await asyncio.sleep(0)
 
     async def listen() -> None:
+        if after is not None:
+            await after.wait()
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
@@ -364,12 +429,14 @@ def _headers_dict(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-def _request_headers(scope: Scope) -> CIMultiDict[str]:
+def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[str]:
+    """End-to-end headers only. ``keep_length``: a relayed body keeps the client's Content-Length."""
     named = _connection_named(scope["headers"])
+    drop = _DROP_REQUEST - {b"content-length"} if keep_length else _DROP_REQUEST
     return CIMultiDict(
         (k.decode("latin-1"), v.decode("latin-1"))
         for k, v in scope["headers"]
-        if k not in _DROP_REQUEST and k not in named
+        if k not in drop and k not in named
     )
 
 
@@ -379,7 +446,7 @@ def _response_headers(raw: tuple[tuple[bytes, bytes], ...]) -> list[tuple[bytes,
 
 
 def _connection_named(headers: Any) -> frozenset[bytes]:
-    for k, v in headers:
-        if k.lower() == b"connection":
-            return frozenset(t.strip().lower() for t in v.split(b","))
-    return frozenset()
+    """Options named in every `Connection` header (a list header: it may appear more than once)."""
+    return frozenset(
+        t.strip().lower() for k, v in headers if k.lower() == b"connection" for t in v.split(b",")
+    )
