@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sidecar.policy import HeadroomSource, LoadedPolicy, load_policy_file
+from sidecar.policy import HeadroomSource, load_policy_file
 from sidecar.sim.demo import DEFAULT_SCENARIO, WINDOW_S, run_phase, scale_policy
 from sidecar.sim.replay import format_table
 from sidecar.sim.scenario import load_scenario
@@ -53,12 +53,7 @@ def main() -> int:
     scenario = load_scenario(DEFAULT_SCENARIO)
     seed = scenario.seed if args.seed is None else args.seed
     shipped = load_policy_file(scenario.policy_path(DEFAULT_SCENARIO.parent))
-    p = shipped.policy
-    on_nvml = LoadedPolicy(
-        p.model_copy(update={"vram": p.vram.model_copy(update={"headroom": HeadroomSource.NVML_FREE})}),
-        shipped.sha256,
-        None,
-    )
+    on_nvml = shipped.with_section("vram", headroom=HeadroomSource.NVML_FREE)
     info = facts()
     print(json.dumps(info, indent=1))
     results = {}

@@ -233,6 +233,12 @@ class LoadedPolicy:
     sha256: str
     path: str | None
 
+    def with_section(self, section: str, **changes: object) -> LoadedPolicy:
+        """A variant with some fields of one section changed (what-if runs: replay, benches, tests)."""
+        current = getattr(self.policy, section)
+        updated = self.policy.model_copy(update={section: current.model_copy(update=changes)})
+        return LoadedPolicy(updated, self.sha256, self.path)
+
 
 class PolicyError(ConfigError):
     """A policy that cannot be used, with every problem located (file:line: field: message)."""

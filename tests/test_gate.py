@@ -58,8 +58,7 @@ def idle_snapshot() -> Snapshot:
 
 def maxq_on_live_nvml():
     """The same lane judged on live NVML free instead of its idle budget (vram.headroom: nvml_free)."""
-    p = maxq().policy
-    return p.model_copy(update={"vram": p.vram.model_copy(update={"headroom": HeadroomSource.NVML_FREE})})
+    return maxq().with_section("vram", headroom=HeadroomSource.NVML_FREE).policy
 
 
 @pytest.mark.parametrize(

@@ -217,17 +217,12 @@ def test_replay_command_locates_scenario_errors(tmp_path: Path) -> None:
 
 def test_live_nvml_free_starves_a_caching_engine_and_the_idle_budget_does_not() -> None:
     """Why the Max-Q policies budget idle memory: PyTorch keeps NVML free at its low-water mark."""
-    from sidecar.policy import HeadroomSource, LoadedPolicy
+    from sidecar.policy import HeadroomSource
 
     path = ROOT / "scenarios" / "maxq-outage-burst.yaml"
     sc = load_scenario(path)
     budget = load_policy_file(sc.policy_path(path.parent))
-    p = budget.policy
-    nvml = LoadedPolicy(
-        p.model_copy(update={"vram": p.vram.model_copy(update={"headroom": HeadroomSource.NVML_FREE})}),
-        budget.sha256,
-        None,
-    )
+    nvml = budget.with_section("vram", headroom=HeadroomSource.NVML_FREE)
     on_nvml = run_replay(sc, gate=True, policy=nvml, profile=get_profile(sc.profile), seed=sc.seed)
     on_budget = run_replay(sc, gate=True, policy=budget, profile=get_profile(sc.profile), seed=sc.seed)
     assert on_nvml["crashes"] == on_budget["crashes"] == []

@@ -14,7 +14,6 @@ import json
 import random
 import re
 import threading
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,8 +25,8 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
 from sidecar.app import SidecarApp
-from sidecar.cost import RequestCost, request_cost
-from sidecar.gate import Action, Decision, Reason
+from sidecar.cost import request_cost
+from sidecar.gate import Reason
 from sidecar.ledger import LedgerTotals
 from sidecar.observe import Telemetry
 from sidecar.proxy import Proxy, make_session
@@ -35,25 +34,12 @@ from sidecar.signals.gpu import parse_gpu_source
 from sidecar.tokens import PromptCounter
 from tests.conftest import MIB, ManualClock, small_policy, snapshot
 from tests.harness import METRICS_TEMPLATE, FakeEngine, eventually, serve, write_gpu_file
+from tests.test_admission import Recorder
 
 FAST = dict(engine__poll_interval_s=0.05, engine__max_age_s=5, gpu__poll_interval_s=0.02, gpu__max_age_s=5)
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-
-class Recorder:
-    """A real Observer that keeps what it is told."""
-
-    def __init__(self) -> None:
-        self.decisions: list[tuple[Action, Reason | None]] = []
-        self.outcomes: Counter[Outcome] = Counter()
-
-    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
-        self.decisions.append((d.action, d.reason))
-
-    def outcome(self, outcome: Outcome) -> None:
-        self.outcomes[outcome] += 1
 
 
 @asynccontextmanager
