@@ -64,6 +64,10 @@ def request_cost(
 ) -> RequestCost:
     """Build the cost once per request, off the decision: the gate re-reads it on every wake-up."""
     chunk = chunk or policy.lane.chunked_prefill_size
+    if not exact:
+        # An over-estimate beyond the context would hold the request for ever (no pool is that big);
+        # a prompt really that long is refused by the engine itself with a 400, before any prefill.
+        prompt_tokens = min(prompt_tokens, policy.lane.context_len)
     cached = min(max(0, cached_tokens), prompt_tokens)
     uncached = prompt_tokens - cached
     return RequestCost(

@@ -14,6 +14,7 @@ blocks end the ticket, so the ledger always returns to zero.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -45,6 +46,7 @@ _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
 # uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
 _DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
 _JSON = [(b"content-type", b"application/json")]
+PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
 class ClientGone(Exception):
@@ -195,14 +197,24 @@ class Proxy:
 
     async def _gated(self, scope: Scope, body: bytes, send: Send) -> None:
         policy = self.admission.policy
+        parse = functools.partial(
+            parse_generation,
+            scope["path"],
+            body,
+            _headers_dict(scope),
+            max_body_bytes=policy.limits.max_body_bytes,
+        )
         try:
-            req = parse_generation(
-                scope["path"], body, _headers_dict(scope), max_body_bytes=policy.limits.max_body_bytes
-            )
+            # A 500K-token prompt is MBs of JSON (tens of ms to decode): off the loop, so other requests
+            # and the pollers do not wait behind it. Small bodies are cheaper parsed in place.
+            req = await asyncio.to_thread(parse) if len(body) > PARSE_IN_THREAD_BYTES else parse()
         except BadRequest as e:
             self.admission.observer.outcome(Outcome.BAD_REQUEST)
             await send_response(send, json_response(e.status, e.error_body()))
             return
+        except asyncio.CancelledError:
+            self.admission.observer.outcome(Outcome.CLIENT_GONE)
+            raise
         try:
             count = await self.counter.count(req)
         except asyncio.CancelledError:

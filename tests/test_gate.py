@@ -279,3 +279,10 @@ def test_gather_cap_bounds_the_bounded_build() -> None:
     )
     # The brief's measured peaks over idle: 1,432 MiB bounded, 2,576 MiB old; the projection covers both.
     assert c_b.projected_bytes >= 1432 * MIB and c_o.projected_bytes >= 2576 * MIB
+
+
+def test_an_estimate_is_capped_at_the_context() -> None:
+    policy = small_policy().policy  # context 100,000
+    estimate = request_cost(policy, 2_000_000, exact=False)
+    assert estimate.prompt_tokens == 100_000
+    assert request_cost(policy, 2_000_000).prompt_tokens == 2_000_000  # exact counts are never capped

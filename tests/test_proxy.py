@@ -274,3 +274,15 @@ async def test_policy_reload_endpoint(tmp_path: Path) -> None:
             )
             assert ok.status_code == 200 and ok.json()["name"] == "reloaded"
             assert (await client.get(url + "/admission/state")).json()["policy"]["name"] == "reloaded"
+
+
+async def test_a_huge_prompt_is_parsed_off_the_loop_and_an_estimate_never_holds_for_ever(
+    tmp_path: Path,
+) -> None:
+    """5 MB of text, no tokenizer: the bytes bound over-counts past the whole pool. Capped at the
+    context, the request goes to the engine (which refuses a prompt really that long itself)."""
+    engine = FakeEngine(events=1)
+    async with lane(tmp_path, engine) as (url, app, _), httpx.AsyncClient(timeout=20) as client:
+        r = await client.post(url + "/generate", json={"text": "word " * 1_000_000, "stream": False})
+        assert r.status_code == 200 and len(engine.arrived) == 1
+        assert app.admission.ledger.totals.requests == 0
