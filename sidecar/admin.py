@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.cost import request_cost_of
+from sidecar.gate import headroom_bytes
 from sidecar.policy import PolicyError, load_policy_text
 from sidecar.proxy import decision_body
 from sidecar.requests import BadRequest, parse_explain
@@ -47,8 +48,6 @@ def state(app: SidecarApp) -> dict[str, Any]:
     a, now = app.admission, app.clock()
     snap, ledger = a.snapshot, a.ledger.totals
     e, g = snap.engine, snap.gpu
-    from sidecar.gate import headroom_bytes
-
     return {
         "mode": "shadow" if a.shadow else "enforce",
         "gate_open": app.gate_open(),

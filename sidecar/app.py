@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admin import ADMIN_PATHS, build_admin
 from sidecar.admission import Admission
+from sidecar.cost import request_cost
 from sidecar.observe import StateCollector, Telemetry
 from sidecar.policy import LoadedPolicy, PolicyError, load_policy_file
 from sidecar.proxy import Proxy, Receive, Scope, Send, make_session
@@ -114,7 +115,7 @@ class SidecarApp:
             self.upstream, client=self.control, interval_s=policy.engine.poll_interval_s, clock=self.clock
         )
         self._tasks.append(asyncio.create_task(self.scraper.run(self._on_engine), name="engine-scraper"))
-        if self.gpu_source is not None:
+        if self.gpu_poller is not None:
             self._tasks.append(asyncio.create_task(self.gpu_poller.run(self._on_gpu), name="gpu-poller"))
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_from_file)
@@ -157,21 +158,12 @@ class SidecarApp:
         return int(r.json()["count"])
 
     def _counter_config(self) -> CounterConfig:
-        p = self.admission.policy.prompt
-        return CounterConfig(
-            tokenizer_path=p.tokenizer_path,
-            use_engine_tokenize=p.use_engine_tokenize,
-            bytes_per_token=p.bytes_per_token,
-            chat_overhead_tokens_per_message=p.chat_overhead_tokens_per_message,
-            chat_overhead_tokens_fixed=p.chat_overhead_tokens_fixed,
-        )
+        return CounterConfig(**self.admission.policy.prompt.model_dump())
 
     # -- state ------------------------------------------------------------------------------------
 
     def gate_open(self) -> bool:
         """Would a minimal request be admitted right now (and nobody is waiting ahead of it)?"""
-        from sidecar.cost import request_cost
-
         if self.admission.held:
             return False
         probe = request_cost(self.admission.policy, 1)

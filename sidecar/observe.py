@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from sidecar.admission import Outcome
 from sidecar.cost import RequestCost
-from sidecar.gate import Action, Decision, Reason
+from sidecar.gate import Action, Decision, Reason, headroom_bytes
 from sidecar.ledger import LedgerTotals
 
 if TYPE_CHECKING:
@@ -200,8 +200,6 @@ class StateCollector(Collector):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
             g.add_metric(list(labels.values()), float(value))
             return g
-
-        from sidecar.gate import headroom_bytes
 
         e, g = snap.engine, snap.gpu
         metrics = [

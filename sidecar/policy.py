@@ -45,7 +45,8 @@ class Lane(_Strict):
 
 
 class Prompt(_Strict):
-    """How prompt tokens are counted (see sidecar/tokens.py for the order of methods)."""
+    """How prompt tokens are counted; these are ``tokens.CounterConfig``'s fields (its docstring says
+    why each default is an upper bound), so a policy can tune every one of them."""
 
     tokenizer_path: str | None = None
     use_engine_tokenize: bool = True
@@ -53,6 +54,9 @@ class Prompt(_Strict):
     chat_overhead_tokens_per_message: int = Field(default=8, ge=0)
     # Qwen2.5's default system prompt (~20 tokens) plus the generation prompt, with room to spare.
     chat_overhead_tokens_fixed: int = Field(default=64, ge=0)
+    chat_overhead_tokens_tools: int = Field(default=256, ge=0)
+    tokens_per_media_item: int = Field(default=16_384, ge=0)
+    engine_tokenize_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class Cost(_Strict):

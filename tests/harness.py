@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from sidecar.app import SidecarApp
 from sidecar.serving import serve_app
+from sidecar.signals.gpu import parse_gpu_source
+from tests.conftest import MIB, small_policy
 
 Scope = dict[str, Any]
 
@@ -39,6 +43,56 @@ def write_gpu_file(path: Path, free_bytes: int, total_bytes: int = 80 * 1024**3)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"free_bytes": free_bytes, "total_bytes": total_bytes}))
     tmp.replace(path)
+
+
+async def answer_lifespan(receive: Any, send: Any) -> None:
+    """The ASGI lifespan of a fake server: start, then wait for shutdown."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def read_body(receive: Any) -> bytes:
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            return body
+
+
+FAST = dict(engine__poll_interval_s=0.05, engine__max_age_s=5, gpu__poll_interval_s=0.02, gpu__max_age_s=5)
+
+
+@asynccontextmanager
+async def lane(
+    tmp_path: Path,
+    engine: Any,
+    free_mib: int = 1024,
+    upstream: str | None = None,
+    app_kwargs: dict[str, Any] | None = None,
+    **overrides: object,
+) -> AsyncIterator[tuple[str, SidecarApp, Path]]:
+    """A fake engine and a real sidecar in front of it (GPU from a file), both on loopback."""
+    gpu_file = tmp_path / "gpu.json"
+    write_gpu_file(gpu_file, free_mib * MIB)
+    policy = small_policy(**(FAST | overrides))
+    async with serve(engine) as engine_url:
+        app = SidecarApp(
+            upstream=upstream or engine_url,
+            policy=policy,
+            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+            **(app_kwargs or {}),
+        )
+        async with serve(app) as url:
+            if upstream is None:
+                await eventually(lambda: app.admission.snapshot.engine is not None)
+            yield url, app, gpu_file
+
+
+def gen(stream: bool = True, tokens: int = 1000, rid: str = "r") -> dict[str, Any]:
+    """A /generate body whose size is declared (the emulator extension), so tests need no tokenizer."""
+    return {"text": "x", "stream": stream, "rid": rid, "emulator": {"prompt_tokens": tokens}}
 
 
 METRICS_TEMPLATE = """# HELP sglang:num_running_reqs The number of running requests.
@@ -84,9 +138,7 @@ class FakeEngine:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await answer_lifespan(receive, send)
             return
         path = scope["path"]
         if path == "/metrics":
@@ -107,12 +159,7 @@ class FakeEngine:
                 ],
             )
         elif path == "/echo":
-            body = b""
-            while True:
-                m = await receive()
-                body += m.get("body", b"")
-                if not m.get("more_body"):
-                    break
+            body = await read_body(receive)
             info = {
                 "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]],
                 "query": scope["query_string"].decode(),
@@ -124,13 +171,7 @@ class FakeEngine:
             await _respond(send, 404, b'{"detail":"Not Found"}', b"application/json")
 
     async def _generate(self, scope: Scope, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
-        req = json.loads(body)
+        req = json.loads(await read_body(receive))
         rid = str(req.get("rid", len(self.arrived)))
         self.arrived.append(req)
         disconnected = asyncio.Event()

@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.app import SidecarApp
 from sidecar.signals.gpu import parse_gpu_source
 from tests.conftest import MIB, small_policy
-from tests.harness import FakeEngine, eventually, serve, write_gpu_file
-from tests.test_proxy import FAST, gen, lane
+from tests.harness import FAST, FakeEngine, eventually, gen, lane, serve, write_gpu_file
 
 BRIEF_METRICS = {
     "decisions",
@@ -57,24 +56,20 @@ async def test_metrics_carry_the_brief_names_and_parse(tmp_path: Path) -> None:
 
 
 async def test_one_json_decision_line_per_decision_without_prompt_text(tmp_path: Path) -> None:
-    engine = FakeEngine(events=1)
-    gpu_file = tmp_path / "gpu.json"
-    write_gpu_file(gpu_file, 0)
     log = io.StringIO()
-    async with serve(engine) as engine_url:
-        app = SidecarApp(
-            upstream=engine_url,
-            policy=small_policy(**FAST),
-            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
-            decision_log=log,
-        )
-        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
-            await eventually(lambda: app.admission.snapshot.engine is not None)
-            secret = "the launch codes are 0000"
-            task = asyncio.create_task(client.post(url + "/generate", json={"text": secret, "stream": False}))
-            await eventually(lambda: app.admission.held == 1)
-            write_gpu_file(gpu_file, 1024 * MIB)
-            assert (await task).status_code == 200
+    async with (
+        lane(tmp_path, FakeEngine(events=1), free_mib=0, app_kwargs={"decision_log": log}) as (
+            url,
+            app,
+            gpu_file,
+        ),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        secret = "the launch codes are 0000"
+        task = asyncio.create_task(client.post(url + "/generate", json={"text": secret, "stream": False}))
+        await eventually(lambda: app.admission.held == 1)
+        write_gpu_file(gpu_file, 1024 * MIB)
+        assert (await task).status_code == 200
     lines = [json.loads(x) for x in log.getvalue().splitlines()]
     assert [(x["decision"], x["reason"]) for x in lines] == [("hold", "vram_headroom"), ("admit", None)]
     first = lines[0]
@@ -96,26 +91,19 @@ async def test_one_json_decision_line_per_decision_without_prompt_text(tmp_path:
 
 async def test_shadow_mode_forwards_what_enforce_would_hold(tmp_path: Path) -> None:
     engine = FakeEngine(events=1)
-    gpu_file = tmp_path / "gpu.json"
-    write_gpu_file(gpu_file, 0)
-    async with serve(engine) as engine_url:
-        app = SidecarApp(
-            upstream=engine_url,
-            policy=small_policy(**FAST),
-            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
-            mode_shadow=True,
-        )
-        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
-            await eventually(lambda: app.admission.snapshot.engine is not None)
-            r = await client.post(url + "/generate", json=gen(stream=False))
-            assert r.status_code == 200 and len(engine.arrived) == 1
-            assert r.headers["x-admission-decision"] == "admit"
-            assert r.headers["x-admission-shadow-decision"] == "hold"
-            assert r.headers["x-admission-shadow-reason"] == "vram_headroom"
-            text = (await client.get(url + "/metrics")).text
-            assert 'sglang_sidecar_decisions_total{decision="hold",reason="vram_headroom"} 1.0' in text
-            assert (await client.get(url + "/admission/state")).json()["mode"] == "shadow"
-            assert app.admission.ledger.totals.requests == 0
+    async with (
+        lane(tmp_path, engine, free_mib=0, app_kwargs={"mode_shadow": True}) as (url, app, _),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        r = await client.post(url + "/generate", json=gen(stream=False))
+        assert r.status_code == 200 and len(engine.arrived) == 1
+        assert r.headers["x-admission-decision"] == "admit"
+        assert r.headers["x-admission-shadow-decision"] == "hold"
+        assert r.headers["x-admission-shadow-reason"] == "vram_headroom"
+        text = (await client.get(url + "/metrics")).text
+        assert 'sglang_sidecar_decisions_total{decision="hold",reason="vram_headroom"} 1.0' in text
+        assert (await client.get(url + "/admission/state")).json()["mode"] == "shadow"
+        assert app.admission.ledger.totals.requests == 0
 
 
 async def test_sighup_reloads_the_policy_file_and_keeps_it_on_error(tmp_path: Path) -> None:

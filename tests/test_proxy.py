@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -14,30 +12,7 @@ import pytest
 from sidecar.app import SidecarApp
 from sidecar.signals.gpu import parse_gpu_source
 from tests.conftest import MIB, small_policy
-from tests.harness import FakeEngine, eventually, serve, write_gpu_file
-
-FAST = dict(engine__poll_interval_s=0.05, engine__max_age_s=5, gpu__poll_interval_s=0.02, gpu__max_age_s=5)
-
-
-@asynccontextmanager
-async def lane(
-    tmp_path: Path, engine: FakeEngine, free_mib: int = 1024, upstream: str | None = None, **overrides: object
-) -> AsyncIterator[tuple[str, SidecarApp, Path]]:
-    gpu_file = tmp_path / "gpu.json"
-    write_gpu_file(gpu_file, free_mib * MIB)
-    policy = small_policy(**(FAST | overrides))
-    async with serve(engine) as engine_url:
-        app = SidecarApp(
-            upstream=upstream or engine_url, policy=policy, gpu_source=parse_gpu_source(f"file:{gpu_file}")
-        )
-        async with serve(app) as url:
-            if upstream is None:
-                await eventually(lambda: app.admission.snapshot.engine is not None)
-            yield url, app, gpu_file
-
-
-def gen(stream: bool = True, tokens: int = 1000, rid: str = "r") -> dict:
-    return {"text": "x", "stream": stream, "rid": rid, "emulator": {"prompt_tokens": tokens}}
+from tests.harness import FAST, FakeEngine, eventually, gen, lane, serve, write_gpu_file
 
 
 async def test_sse_passes_through_unbuffered(tmp_path: Path) -> None:

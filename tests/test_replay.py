@@ -45,6 +45,18 @@ def test_the_shortcut_reads_what_the_scraper_would_parse() -> None:
             | parse_loads(loads_json(model))
         )
         direct = asdict(engine_signals(model, t))
+        # The fields the gate reads must come through the real parsers, not just agree when present.
+        needed = {
+            "running_requests",
+            "queue_requests",
+            "kv_available_tokens",
+            "mamba_available_slots",
+            "pending_prefill_tokens",
+            "max_total_tokens",
+            "chunked_prefill_size",
+            "context_len",
+        }
+        assert needed <= set(parsed), needed - set(parsed)
         for field, value in parsed.items():
             if field in direct:
                 assert direct[field] == pytest.approx(value), (t, field)

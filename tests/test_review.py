@@ -14,8 +14,6 @@ import json
 import random
 import re
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,49 +22,28 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
-from sidecar.app import SidecarApp
 from sidecar.cost import request_cost
 from sidecar.gate import Reason
 from sidecar.ledger import LedgerTotals
 from sidecar.observe import Telemetry
 from sidecar.proxy import Proxy, make_session
-from sidecar.signals.gpu import parse_gpu_source
 from sidecar.tokens import PromptCounter
 from tests.conftest import MIB, ManualClock, small_policy, snapshot
-from tests.harness import METRICS_TEMPLATE, FakeEngine, eventually, serve, write_gpu_file
+from tests.harness import (
+    FAST,
+    METRICS_TEMPLATE,
+    FakeEngine,
+    answer_lifespan,
+    eventually,
+    gen,
+    lane,
+    read_body,
+    serve,
+    write_gpu_file,
+)
 from tests.test_admission import Recorder
 
-FAST = dict(engine__poll_interval_s=0.05, engine__max_age_s=5, gpu__poll_interval_s=0.02, gpu__max_age_s=5)
-
-
 # -- helpers ------------------------------------------------------------------------------------------
-
-
-@asynccontextmanager
-async def lane(
-    tmp_path: Path,
-    engine: Any,
-    free_mib: int = 1024,
-    app_kwargs: dict[str, Any] | None = None,
-    **overrides: object,
-) -> AsyncIterator[tuple[str, SidecarApp, Path]]:
-    gpu_file = tmp_path / "gpu.json"
-    write_gpu_file(gpu_file, free_mib * MIB)
-    policy = small_policy(**(FAST | overrides))
-    async with serve(engine) as engine_url:
-        app = SidecarApp(
-            upstream=engine_url,
-            policy=policy,
-            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
-            **(app_kwargs or {}),
-        )
-        async with serve(app) as url:
-            await eventually(lambda: app.admission.snapshot.engine is not None)
-            yield url, app, gpu_file
-
-
-def gen(stream: bool = True, tokens: int = 1000, rid: str = "r") -> dict[str, Any]:
-    return {"text": "x", "stream": stream, "rid": rid, "emulator": {"prompt_tokens": tokens}}
 
 
 async def outcomes(client: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -84,17 +61,10 @@ class OddEngine:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await answer_lifespan(receive, send)
             return
         path = scope["path"]
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
+        body = await read_body(receive)
         self.arrived.append(path)
         if path == "/metrics":
             payload = METRICS_TEMPLATE.format(running=0.0, queue=0.0).encode()
