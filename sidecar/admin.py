@@ -44,7 +44,7 @@ def _err(status: int, message: str, code: str) -> JSONResponse:
 
 
 def state(app: SidecarApp) -> dict[str, Any]:
-    """The brief's /admission/state: unknown values are null, never 0."""
+    """The /admission/state contract: unknown values are null, never 0."""
     a, now = app.admission, app.clock()
     snap, ledger = a.snapshot, a.ledger.totals
     e, g = snap.engine, snap.gpu

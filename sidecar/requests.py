@@ -6,7 +6,7 @@ This module is pure: no I/O, no clock, no logging. It never re-serializes anythi
 the original bytes unchanged, so what the engine receives is exactly what the client sent, and the
 parsed object is kept only so later stages (the token counter, ``explain``) need not parse again.
 
-Three request shapes are understood (SGLang 0.5.x, ``research/sglang.md`` section 3):
+Three request shapes are understood (SGLang 0.5.x, evidence S8):
 
 - ``/generate`` (SGLang native): ``text`` (string or list of strings) or ``input_ids`` (list of ints or
   list of int lists) or ``input_embeds``; ``sampling_params`` (object, or a list of objects for a

@@ -1,4 +1,4 @@
-"""The pure decision, table-driven: the outage state of the brief, idle, staleness, unfit requests."""
+"""The pure decision, table-driven: the outage state (evidence I5), idle, staleness, unfit requests."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from sidecar.signals.snapshot import DeviceMemory, EngineSignals, GpuSignals, Sn
 from tests.conftest import MIB, maxq, small_policy, snapshot, with_engine
 
 NOW = 5000.0
-CARD = 97887 * MIB  # RTX PRO 6000 Blackwell Max-Q capacity (brief §1)
+CARD = 97887 * MIB  # RTX PRO 6000 Blackwell Max-Q capacity (evidence I1)
 
 
 def outage_snapshot() -> Snapshot:
-    """16:44:17: 280.94 MiB free, 1 running, 14 queued, 1,485,849 pending, usage 0.73 / 0.06 (brief §1)."""
+    """16:44:17: 280.94 MiB free, 1 running, 14 queued, 1,485,849 pending, usage 0.73 / 0.06 (evidence I4, I5)."""
     engine = EngineSignals(
         observed_at=NOW,
         running_requests=1,
@@ -95,7 +95,7 @@ def test_outage_state_against_maxq_policy(
     assert (d.action, d.reason) == (action, reason)
 
 
-def test_outage_fails_every_constraint_the_brief_names() -> None:
+def test_outage_fails_every_constraint_the_incident_names() -> None:
     """VRAM decides (first in order), but explain must show queue and pending limits failing too."""
     policy = maxq_on_live_nvml()
     d = decide(request_cost(policy, 200_000), outage_snapshot(), LedgerTotals(), policy, NOW)
@@ -277,7 +277,7 @@ def test_gather_cap_bounds_the_bounded_build() -> None:
     assert c_o.projected_bytes - c_b.projected_bytes == pytest.approx(
         (2048 * 500_000 - 32 * MIB) * 1.1, rel=1e-6
     )
-    # The brief's measured peaks over idle: 1,432 MiB bounded, 2,576 MiB old; the projection covers both.
+    # The measured peaks over idle (evidence M2, D4): 1,432 MiB bounded, 2,576 MiB old; the projection covers both.
     assert c_b.projected_bytes >= 1432 * MIB and c_o.projected_bytes >= 2576 * MIB
 
 

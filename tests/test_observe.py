@@ -1,4 +1,4 @@
-"""What the sidecar tells dashboards and on-call: metric names of the brief, the decision log, modes."""
+"""What the sidecar tells dashboards and on-call: the contract's metric names, the decision log, modes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from sidecar.signals.gpu import parse_gpu_source
 from tests.conftest import MIB, small_policy
 from tests.harness import FAST, FakeEngine, eventually, gen, lane, serve, write_gpu_file
 
-BRIEF_METRICS = {
+CONTRACT_METRICS = {
     "decisions",
     "requests",
     "hold_seconds",
@@ -35,14 +35,14 @@ BRIEF_METRICS = {
 }
 
 
-async def test_metrics_carry_the_brief_names_and_parse(tmp_path: Path) -> None:
+async def test_metrics_carry_the_contract_names_and_parse(tmp_path: Path) -> None:
     engine = FakeEngine(events=1)
     async with lane(tmp_path, engine) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
         assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
         text = (await client.get(url + "/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     names = {n.removeprefix("sglang_sidecar_") for n in families if n.startswith("sglang_sidecar_")}
-    assert names >= BRIEF_METRICS, BRIEF_METRICS - names
+    assert names >= CONTRACT_METRICS, CONTRACT_METRICS - names
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
     }

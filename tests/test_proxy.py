@@ -206,7 +206,7 @@ async def test_explain_charges_nothing(tmp_path: Path) -> None:
         assert r.json()["decision"] == "reject" and r.json()["reason"] == "unfit_request"
 
 
-async def test_state_has_the_brief_fields_and_null_for_unknown(tmp_path: Path) -> None:
+async def test_state_has_the_contract_fields_and_null_for_unknown(tmp_path: Path) -> None:
     async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
         s = (await client.get(url + "/admission/state")).json()
         for key in ("mode", "gate_open", "headroom_bytes", "engine", "gpu", "ledger", "queue", "policy"):

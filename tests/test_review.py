@@ -284,7 +284,7 @@ async def test_duplicate_connection_headers_in_the_request_are_all_honoured(tmp_
 
 
 async def test_passthrough_body_is_forwarded_unchanged_whatever_its_size(tmp_path: Path) -> None:
-    """The brief: every path other than the gated ones is forwarded unchanged. The generation body limit
+    """The contract: every path other than the gated ones is forwarded unchanged. The generation body limit
     (limits.max_body_bytes) is for gated paths only; a large pass-through body is relayed as it arrives
     (a 33 MiB upload once got the sidecar's 413)."""
     engine = OddEngine()
@@ -295,7 +295,7 @@ async def test_passthrough_body_is_forwarded_unchanged_whatever_its_size(tmp_pat
 
 
 async def test_admitted_request_whose_engine_fails_still_says_admit(tmp_path: Path) -> None:
-    """The brief: an admitted request carries X-Admission-Decision: admit and X-Admission-Wait-Ms.
+    """The contract: an admitted request carries X-Admission-Decision: admit and X-Admission-Wait-Ms.
     When the engine times out before its headers, the sidecar's own 504 drops both, so a client or
     dashboard cannot tell an admitted-then-failed request from one that never passed the gate."""
     engine = FakeEngine()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -22,9 +23,8 @@ from sidecar.signals.engine import (
 )
 from sidecar.signals.snapshot import EngineSignals, SourceHealth
 
-# Copies of ../shared/fixtures (real bytes from SGLang 0.5.23), kept in the repo so a clean clone passes.
+# Real bytes from SGLang 0.5.23 (tests/fixtures/sglang/README.md), with their checksums in SHA256SUMS.
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
-SHARED_FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 
 BASE = "http://sglang.test:30000"
 
@@ -45,11 +45,16 @@ LOADS = fixture_json("sglang-0.5.23-v1-loads.json")
 SERVER_INFO = fixture_json("sglang-0.5.23-server-info.json")
 
 
-def test_repo_fixture_copies_match_shared() -> None:
-    if not SHARED_FIXTURES.is_dir():
-        pytest.skip("../shared/fixtures is not present (clean clone)")
-    for copy in sorted(FIXTURES.iterdir()):
-        assert copy.read_bytes() == (SHARED_FIXTURES / copy.name).read_bytes(), copy.name
+def test_fixtures_are_the_recorded_bytes() -> None:
+    """A fixture "tidied" by an editor (line endings, trailing spaces) would no longer be SGLang's bytes."""
+    recorded = dict(
+        reversed(line.split(maxsplit=1))
+        for line in (FIXTURES / "SHA256SUMS").read_text(encoding="utf-8").splitlines()
+    )
+    present = sorted(p.name for p in FIXTURES.glob("sglang-*"))
+    assert present == sorted(recorded)
+    for name in present:
+        assert hashlib.sha256((FIXTURES / name).read_bytes()).hexdigest() == recorded[name], name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -120,7 +125,7 @@ def test_nan_is_accepted_and_means_not_reported() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Version mapping, synthetic expositions (names per research/sglang.md §1.3)
+# Version mapping, synthetic expositions (names per evidence S2, S3)
 # --------------------------------------------------------------------------------------------------
 
 L59 = 'engine_type="unified",model_name="Qwen/Qwen3-Next",moe_ep_rank="0",pp_rank="0",tp_rank="0"'

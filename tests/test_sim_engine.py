@@ -1,4 +1,4 @@
-"""The engine model reproduces the brief's incident figures, deterministically, in virtual time."""
+"""The engine model reproduces the incident figures of docs/evidence.md, deterministically, in virtual time."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_profiles_by_name() -> None:
         assert p.weights_bytes > 0
 
 
-def test_profile_coefficients_match_the_brief() -> None:
+def test_profile_coefficients_match_the_evidence() -> None:
     old, bounded, mamba = MAXQ_OLD, MAXQ_BOUNDED, get_profile("mamba-lane")
     assert old.device_total_bytes == 97_887 * MiB
     assert old.kv_pool_tokens == 522_880 and bounded.kv_pool_tokens == 689_728
@@ -119,7 +119,7 @@ def test_outage_state_crashes_the_old_build_outside_the_pool() -> None:
     assert crash.requested_bytes == 560 * MiB
     assert "Tried to allocate 560.00 MiB" in crash.reason and "93.92 GiB memory in use" in crash.reason
     assert crash.free_bytes is not None and crash.free_bytes < crash.requested_bytes
-    # The scheduler state the brief reports at 16:44:17.
+    # The scheduler state at 16:44:17 (evidence I5).
     assert live.num_running_reqs == 1
     assert live.num_queue_reqs == 14
     assert live.pending_prefill_tokens == pytest.approx(1_485_849, rel=0.01)
@@ -150,7 +150,7 @@ def test_crash_keeps_the_engine_down_for_the_restart_time_then_cold() -> None:
     assert any(isinstance(e, Finished) for e in drain(model))
 
 
-def test_lone_500k_request_peaks_near_the_brief_on_both_builds() -> None:
+def test_lone_500k_request_peaks_near_the_measured_on_both_builds() -> None:
     idle_use = MAXQ_BOUNDED.device_total_bytes - MAXQ_BOUNDED.idle_free_bytes
     assert idle_use == 94_661 * MiB
     peaks = {}
@@ -161,7 +161,7 @@ def test_lone_500k_request_peaks_near_the_brief_on_both_builds() -> None:
         assert not model.crashes and any(isinstance(e, Finished) for e in events)
         peaks[build] = model.peak_used_bytes
     assert peaks["bounded"] == pytest.approx(96_093 * MiB, abs=8 * MiB)
-    # Brief: 97,237 MiB. The brief's own gather figure (1,024 MiB at 524,288 tokens) leaves ~200 MiB.
+    # Evidence M2: 97,237 MiB. The measured gather figure (M1) (1,024 MiB at 524,288 tokens) leaves ~200 MiB.
     assert peaks["old"] == pytest.approx(97_237 * MiB, abs=256 * MiB)
     assert peaks["old"] - peaks["bounded"] > 900 * MiB
 

@@ -18,7 +18,7 @@ from sidecar.sim.exposition import FrontendMetrics, gauge_values, render_metrics
 from sidecar.sim.profiles import LaneProfile, get_profile
 from sidecar.sim.server import EmulatorServer, build_emulator_app, parse_generation
 
-# SGLang's real responses, copied into the repo from ../shared/fixtures so a clean clone has them.
+# SGLang's real responses, kept in tests/fixtures/sglang (see its README).
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 
 

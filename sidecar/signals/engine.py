@@ -7,7 +7,7 @@ Split in two so the version logic can be tested without a server:
 * `EngineScraper`, the I/O shell (httpx, control plane only) that decides which endpoints to ask,
   notices engine restarts, and merges the three readings into one snapshot.
 
-Version notes that drive the mapping (see research/sglang.md §1, fixtures/README.md):
+Version notes that drive the mapping (docs/evidence.md S2-S4, F4-F7):
 
 * `sglang:token_usage` is `round(max(full, swa, mamba), 2)` from 0.5.14 on, so it is never used as a
   pool usage there. On 0.5.9 and older it is the full-attention usage (max(full, swa) for hybrid SWA,
@@ -166,7 +166,7 @@ def read_metrics(text: str, *, version: str | None = None) -> MetricsReading:
             if s.name.startswith("sglang:"):
                 colon.setdefault(s.name, []).append(s)
             elif s.name.startswith("sglang_"):
-                # OpenMetrics negotiation escaped `sglang:` to `sglang_` (fixtures/README.md §7).
+                # OpenMetrics negotiation escaped `sglang:` to `sglang_` (evidence F7).
                 escaped.setdefault("sglang:" + s.name[len("sglang_") :], []).append(s)
     samples = {**escaped, **colon}
     declared.update(samples)

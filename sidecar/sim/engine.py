@@ -40,11 +40,11 @@ Scheduler (after SGLang 0.5.x, simplified):
   and when idle (immediately if the last report is stale, then every 30 s); a fresh engine has none.
   ``/v1/loads`` is refreshed after each prefill batch, every 15 decode steps, and when idle.
 
-What the model does not reproduce (figures of BRIEF.md section 1): with smoothly growing transients the
+What the model does not reproduce (incident figures, docs/evidence.md): with smoothly growing transients the
 outage crash happens on the 560 MiB gather of the chunk ending at 286,720 tokens, with 528 MiB free
-(the brief saw 280.94 MiB free: something allocated ~250 MiB between the last successful chunk and the
-failure that the brief does not name); the old build's lone 500K peak is ~200 MiB below the brief's
-97,237 MiB because the brief's gather coefficient (1,024 MiB at 524,288 tokens) is kept as given.
+(the incident saw 280.94 MiB free, evidence I4: something allocated ~250 MiB between the last successful chunk and the
+failure that the incident report does not name); the old build's lone 500K peak is ~200 MiB below the measured
+97,237 MiB (evidence M2) because the measured gather coefficient (evidence M1) (1,024 MiB at 524,288 tokens) is kept as given.
 """
 
 from __future__ import annotations

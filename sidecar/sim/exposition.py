@@ -1,10 +1,10 @@
 """SGLang 0.5.23's observable surface for the emulator: ``/metrics``, ``/v1/loads``, ``/server_info``.
 
-The shapes follow ``shared/fixtures/sglang-0.5.23-*`` (real output of SGLang's own classes): metric
+The shapes follow ``tests/fixtures/sglang/sglang-0.5.23-*`` (real output of SGLang's own classes): metric
 names keep the ``sglang:`` prefix, labels are sorted (``engine_type,model_name,moe_ep_rank,pp_rank,
 tp_rank``), values are floats, histograms list ``_sum``, the buckets, then ``_count``. Rendering goes
 through ``prometheus_client`` itself, so content negotiation behaves like SGLang's: plain text keeps the
-colon, an OpenMetrics ``Accept`` header gets ``sglang_...`` sample names (fixtures README, item 7).
+colon, an OpenMetrics ``Accept`` header gets ``sglang_...`` sample names (evidence F7).
 
 Scheduler gauges come from :meth:`EngineModel.published_gauges` - the last report, absent on a fresh
 engine - never from the live state. Tokenizer- and HTTP-side series (TTFT, token counters, HTTP
@@ -184,7 +184,7 @@ def _le(upper: float) -> str:
     return repr(float(upper))
 
 
-# Gauges in the order SGLang's fixture lists them, with their HELP texts (research/table_0.5.23.md).
+# Gauges in the order SGLang's fixture lists them, with their HELP texts (evidence S5).
 _LOAD_GAUGES: tuple[tuple[str, str], ...] = (
     ("num_running_reqs", "The number of running requests."),
     ("num_queue_reqs", "The number of requests in the waiting queue."),
@@ -235,7 +235,7 @@ def gauge_values(g: Gauges) -> dict[str, float]:
         "mamba_available_tokens": g.mamba_available_tokens,
         "mamba_evictable_tokens": g.mamba_evictable_tokens,
         "mamba_used_tokens": g.mamba_used_tokens,
-        "utilization": 0.0,  # always 0 in 0.5.23 (fixtures README, item 5)
+        "utilization": 0.0,  # always 0 in 0.5.23 (tests/fixtures/sglang/README.md, item 5)
         "fwd_occupancy": math.nan,  # NaN without SGLANG_ENABLE_METRICS_DEVICE_TIMER (item 3)
         "new_token_ratio": g.new_token_ratio,
     }

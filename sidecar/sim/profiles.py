@@ -4,9 +4,9 @@ A profile is everything the emulator needs to behave like a particular card + mo
 device memory, the static allocations SGLang makes at start, the scheduler's limits, how fast it
 prefills and decodes, and - the point of this project - how much memory each prefill step allocates
 *outside* the KV pool. Every coefficient in the shipped profiles says where it comes from: a figure in
-``BRIEF.md`` section 1, a fixture, a measurement in ``research/``, or "assumed, calibrate".
+a row of ``docs/evidence.md`` (cited as "evidence <id>"), a fixture, or "assumed, calibrate".
 
-Byte quantities are exact integers; ``MiB`` and ``GiB`` are binary units (the brief's "MiB" are NVML's).
+Byte quantities are exact integers; ``MiB`` and ``GiB`` are binary units (the incident report's "MiB" are NVML's).
 
 Transient model (per prefill step, allocated in this order, freed when the step ends):
 
@@ -86,7 +86,7 @@ class LaneProfile:
     # request when admitting prefills (SGLANG_INIT_NEW_TOKEN_RATIO 0.7, CLIP_MAX_NEW_TOKENS 4096).
     new_token_ratio: float = 0.7
     clip_max_new_tokens: int = 4096
-    # "after three retractions an unfit request gets 503" (brief section 1).
+    # "after three retractions an unfit request gets 503" (evidence M6).
     max_retractions: int = 3
     page_size: int = 1
     kv_cache_dtype: str = "fp8_e4m3"
@@ -114,7 +114,7 @@ class LaneProfile:
     allocator_caches_transients: bool = True
 
     # --- lifecycle and publication ---------------------------------------------------------------
-    restart_s: float = 774.0  # brief: "service was down for 12 min 54 s"
+    restart_s: float = 774.0  # evidence I6: "down 12 min 54 s"
     decode_log_interval: int = 40  # SGLang --decode-log-interval default
     idle_publish_s: float = 30.0  # SGLang 0.5.23 _maybe_log_idle_metrics
     loads_publish_interval: int = 15  # --load-snapshot-publish-interval default
@@ -213,7 +213,7 @@ def _residual_weights(
 ) -> int:
     """Weight bytes that make the idle free memory come out at ``idle_free``.
 
-    The brief gives no weight size. SGLang sizes its pools so that weights + pools fill
+    The incident report gives no weight size. SGLang sizes its pools so that weights + pools fill
     ``mem_fraction_static`` of the memory it sees at start; whatever the card held beyond the pools,
     the CUDA context and graphs is "weights" here (NVFP4 80B weights alone are ~45 GB; the rest of
     the static fraction is buffers this model does not separate).
@@ -224,10 +224,10 @@ def _residual_weights(
 # --------------------------------------------------------------------------------------------------
 # Coefficients shared by the Qwen3-Next (hybrid Mamba, FP8 KV) lanes on the RTX PRO 6000 Max-Q.
 # --------------------------------------------------------------------------------------------------
-_MAXQ_TOTAL = 97_887 * MiB  # brief: "RTX PRO 6000 Blackwell Max-Q, 97,887 MiB capacity"
-_MAXQ_OTHER = 676 * MiB  # brief: "Another process on the card held 676 MiB"
+_MAXQ_TOTAL = 97_887 * MiB  # evidence I1: "RTX PRO 6000 Blackwell Max-Q, 97,887 MiB"
+_MAXQ_OTHER = 676 * MiB  # evidence I3: "another process on the card held 676 MiB"
 # Derived: capacity - process (93.92 GiB) - other (676 MiB) - the model's free memory at the outage
-# crash (528 MiB, see maxq-old). The brief's own numbers leave 756 MiB with 280.94 MiB free; the
+# crash (528 MiB, see maxq-old). The incident's own numbers (evidence I1, I3, I4) leave 756 MiB with 280.94 MiB free; the
 # difference is the one figure this smooth model cannot reproduce (see the engine module docstring).
 _MAXQ_RESERVED = 509 * MiB
 _MAXQ_CONTEXT = 560 * MiB  # assumed, calibrate: CUDA context + cuBLAS/NCCL workspaces (~0.5 GiB on H200)
@@ -242,22 +242,22 @@ _ACTIVATION_PER_TOKEN = 12 * 1024
 # Calibrated: bounded build, lone 500,000-token request peaks 96,093 - 94,661 = 1,432 MiB over idle
 # = 96 MiB activation + 32 MiB bounded gather + 500,000 x this.
 _CONTEXT_PER_TOKEN = (1_432 * MiB - 8192 * _ACTIVATION_PER_TOKEN - 32 * MiB) // 500_000
-# Brief: "1,024.0 MiB at 524,288 tokens (FP8) on the old build" = 2 KiB per context token.
+# Evidence M1: "1,024.0 MiB at 524,288 tokens (FP8) on the old build" = 2 KiB per context token (D1).
 _GATHER_PER_TOKEN = 1024 * MiB // 524_288
-_GATHER_BOUNDED_CAP = 32 * MiB  # brief: "32.0 MiB on the bounded-gather build"
-# Brief: "Two cold ~250K requests together: +1,248 MiB non-pool peak over idle on both builds".
+_GATHER_BOUNDED_CAP = 32 * MiB  # evidence M1: "32.0 MiB on the bounded-gather build"
+# Evidence M3: "two cold ~250K requests together: +1,248 MiB non-pool peak over idle on both builds".
 _UNKNOWN_EXTRA = 1_248 * MiB
-# Assumed, calibrate: the brief's sustained cell (4 x ~240K prompts, 8,192 output tokens, 93-107 s a
-# round) and prefix-loss TTFTs (22.9 s / 41.1 s cold) put cold prefill at roughly 10-20K tokens/s.
+# Assumed, calibrate: the sustained cell (evidence M5: 4 x ~240K prompts, 8,192 output tokens, 93-107 s a
+# round) and prefix-loss TTFTs (evidence M4: 22.9 s / 41.1 s cold) put cold prefill at roughly 10-20K tokens/s.
 _MAXQ_PREFILL_TPS = 24_000.0
 _MAXQ_PREFILL_HALF = 500_000.0
 _MAXQ_DECODE_TPS = 330.0
-_QWEN3_NEXT_NAME = "Qwen/Qwen3-Next-80B-A3B-Instruct-NVFP4"  # brief: Qwen3-Next family, NVFP4 weights
+_QWEN3_NEXT_NAME = "Qwen/Qwen3-Next-80B-A3B-Instruct-NVFP4"  # evidence I8: Qwen3-Next family, NVFP4 weights
 
-_MAXQ_OLD_POOL = 522_880  # brief: "KV pool of 522,880 tokens"
-_MAXQ_OLD_MAMBA_SLOTS = 50  # fixture sglang-0.5.23-metrics.txt (3 used + 47 free; illustrative)
+_MAXQ_OLD_POOL = 522_880  # evidence I2: "KV pool of 522,880 tokens"
+_MAXQ_OLD_MAMBA_SLOTS = 50  # evidence F1 (fixture: 3 used + 47 free; illustrative)
 # Calibrated: with this idle free memory the old build's cold prefill fails on the gather of the chunk
-# that ends at 286,720 tokens (35 x 8,192), which is exactly 560 MiB (the brief's failed allocation).
+# that ends at 286,720 tokens (35 x 8,192), which is exactly 560 MiB (the failed allocation, evidence I4, D3).
 _MAXQ_OLD_IDLE_FREE = 1_372 * MiB
 
 MAXQ_OLD = LaneProfile(
@@ -270,7 +270,7 @@ MAXQ_OLD = LaneProfile(
     device_total_bytes=_MAXQ_TOTAL,
     device_reserved_bytes=_MAXQ_RESERVED,
     other_process_bytes=_MAXQ_OTHER,
-    mem_fraction_static=0.98,  # brief: "--mem-fraction-static 0.98"
+    mem_fraction_static=0.98,  # evidence I2: "--mem-fraction-static 0.98"
     weights_bytes=_residual_weights(
         total=_MAXQ_TOTAL,
         reserved=_MAXQ_RESERVED,
@@ -287,11 +287,11 @@ MAXQ_OLD = LaneProfile(
     cuda_graph_bytes=_MAXQ_GRAPHS,
     mamba_slots=_MAXQ_OLD_MAMBA_SLOTS,
     mamba_bytes_per_slot=_QWEN3_NEXT_MAMBA_SLOT,
-    chunked_prefill_size=8192,  # fixture sglang-0.5.23-server-info.json (outage launch config)
-    max_running_requests=24,  # fixture server-info: max_running_requests / effective 24
-    context_length=524_288,  # fixture server-info: context_length (brief: 500K-token requests)
+    chunked_prefill_size=8192,  # evidence F2 (outage launch config)
+    max_running_requests=24,  # evidence F2: max_running_requests / effective 24
+    context_length=524_288,  # evidence F2: context_length (evidence I8: 500K-token requests)
     # Assumed: one working slot per request and only the latest chunk checkpoint kept; reproduces the
-    # brief's Mamba usage 0.06 at the outage (1 running + 1 chunked + its checkpoint = 3 of 50).
+    # Mamba usage 0.06 at the outage (evidence I5) (1 running + 1 chunked + its checkpoint = 3 of 50).
     mamba_slots_per_request=1,
     mamba_checkpoint_interval_tokens=0,
     prefill_tokens_per_s=_MAXQ_PREFILL_TPS,
@@ -305,8 +305,8 @@ MAXQ_OLD = LaneProfile(
     unknown_extra_min_running=2,
 )
 
-_MAXQ_BOUNDED_POOL = 689_728  # brief: "pool 689,728 tokens"
-# Brief: "idle device use 94,661 MiB" (device use = capacity - free, assumed to include NVML reserved).
+_MAXQ_BOUNDED_POOL = 689_728  # evidence M2: "pool 689,728 tokens"
+# Evidence M2: "idle device use 94,661 MiB" (device use = capacity - free, assumed to include NVML reserved).
 _MAXQ_BOUNDED_IDLE_FREE = (97_887 - 94_661) * MiB
 
 MAXQ_BOUNDED = LaneProfile(
@@ -380,19 +380,19 @@ MAMBA_LANE = LaneProfile(
         idle_free=_MAMBA_LANE_IDLE_FREE,
     ),
     kv_pool_tokens=_MAMBA_LANE_POOL,
-    kv_bytes_per_token=_QWEN3_NEXT_KV_BYTES,  # brief: FP8 KV
+    kv_bytes_per_token=_QWEN3_NEXT_KV_BYTES,  # evidence I9: FP8 KV
     cuda_context_bytes=_MAXQ_CONTEXT,
     cuda_graph_bytes=_MAXQ_GRAPHS,
-    mamba_slots=51,  # brief: "51 Mamba slots"
+    mamba_slots=51,  # evidence I9: "51 Mamba slots"
     mamba_bytes_per_slot=_QWEN3_NEXT_MAMBA_SLOT,
-    chunked_prefill_size=4096,  # brief: "4,096-token prefill chunks"
-    max_running_requests=12,  # brief: "12-request ceiling" (= floor(51 / 4) state cap as well)
-    context_length=262_144,  # brief: "262K window"
+    chunked_prefill_size=4096,  # evidence I9: "4,096-token prefill chunks"
+    max_running_requests=12,  # evidence I9: "12-request ceiling" (= floor(51 / 4) state cap as well, D8)
+    context_length=262_144,  # evidence I9: "262K window"
     # Assumed: 4 slots per request (working state + ping-pong buffers; SGLang's state cap
-    # floor(51 / 4) = 12 matches the brief's ceiling; jpezzulli/sglang-rtxpro6000#5 saw 4 held).
+    # floor(51 / 4) = 12 matches the lane's ceiling (evidence D8); 4 held were seen elsewhere (evidence S13)).
     mamba_slots_per_request=4,
     # Assumed, calibrate: a locked checkpoint every 8,192 prompt tokens; with 3 cold ~140K requests the
-    # pool runs out while 2 are running (the brief: usage 0.18 -> 1.00 with 2 running, full 0.46).
+    # pool runs out while 2 are running (evidence I10: usage 0.18 -> 1.00 with 2 running, full 0.46).
     mamba_checkpoint_interval_tokens=8192,
     prefill_tokens_per_s=_MAXQ_PREFILL_TPS,
     prefill_half_speed_context=_MAXQ_PREFILL_HALF,
@@ -407,14 +407,14 @@ MAMBA_LANE = LaneProfile(
 # --------------------------------------------------------------------------------------------------
 # A generic single H200 with a dense model: numbers from the idle-dense fixture (Qwen3-32B).
 # --------------------------------------------------------------------------------------------------
-_H200_TOTAL = 143_771 * MiB  # brief / research: NVML total 150,754,820,096 B on an H200
-_H200_RESERVED = 615 * MiB  # research/ecosystem.md: NVML v2 reserved measured on an H200
-_H200_CONTEXT = 500 * MiB  # research/ecosystem.md: "10 GiB plus about 0.5 GiB of CUDA context"
-_H200_GRAPHS = 860 * MiB  # fixture idle-dense: graph_memory_usage_gb{phase="decode"} 0.84
-_H200_POOL = 241_520  # fixture idle-dense: max_total_num_tokens
-# Qwen3-32B BF16: 64 layers x 8 KV heads x 128 x (K+V) x 2 B; x 241,520 = 58.96 GiB (fixture kv 58.96).
+_H200_TOTAL = 143_771 * MiB  # evidence N1: NVML total 150,754,820,096 B on an H200
+_H200_RESERVED = 615 * MiB  # evidence N1: NVML v2 reserved measured on an H200
+_H200_CONTEXT = 500 * MiB  # evidence N2: "10 GiB plus about 0.5 GiB of CUDA context"
+_H200_GRAPHS = 860 * MiB  # evidence F8: graph_memory_usage_gb{phase="decode"} 0.84
+_H200_POOL = 241_520  # evidence F8: max_total_num_tokens
+# Qwen3-32B BF16: 64 layers x 8 KV heads x 128 x (K+V) x 2 B; x 241,520 = 58.96 GiB (evidence F8: kv 58.96).
 _H200_KV_BYTES = 64 * 8 * 128 * 2 * 2
-_H200_WEIGHTS = int(61.03 * GiB)  # fixture idle-dense: weight_memory_usage_gb 61.03
+_H200_WEIGHTS = int(61.03 * GiB)  # evidence F8: weight_memory_usage_gb 61.03
 
 H200 = LaneProfile(
     name="h200",
@@ -433,7 +433,7 @@ H200 = LaneProfile(
     cuda_graph_bytes=_H200_GRAPHS,
     chunked_prefill_size=8192,  # assumed: SGLang default for an 80 GB+ card
     max_running_requests=64,  # assumed, calibrate
-    context_length=40_960,  # fixture idle-dense: context_len
+    context_length=40_960,  # evidence F8: context_len
     prefill_tokens_per_s=12_000.0,  # assumed, calibrate
     prefill_half_speed_context=200_000.0,  # assumed, calibrate
     decode_tokens_per_s=45.0,  # assumed, calibrate: 32B dense BF16 at low batch
