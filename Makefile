@@ -3,8 +3,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# promtool, prometheus, systemd-analyze for the deployment tests (scripts/tools.sh says how)
+TOOLS := .tools/bin/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv tools clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,10 +16,16 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+$(TOOLS): scripts/tools.sh
+	bash scripts/tools.sh
+	touch $(TOOLS)
+
+tools: $(TOOLS)
+
 demo: $(STAMP)
 	$(BIN)/sglang-sidecar demo
 
-test: $(STAMP)
+test: $(STAMP) $(TOOLS)
 	$(BIN)/ruff check sidecar tests bench
 	$(BIN)/python -m pytest -q
 
@@ -26,4 +34,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check sidecar tests bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .tools .pytest_cache build *.egg-info

@@ -180,6 +180,7 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
             loaded = load_policy_text(text, "<POST /admission/policy>")
             app.apply_policy(loaded)
         except PolicyError as e:
+            app.telemetry.policy_reload(applied=False)
             body = {
                 "error": {
                     "message": str(e),
@@ -191,6 +192,7 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
                 "kept": app.admission.policy.name,
             }
             return JSONResponse(body, 422)
+        app.telemetry.policy_reload(applied=True)
         return JSONResponse({"name": loaded.policy.name, "sha256": loaded.sha256})
 
     @api.get("/metrics")

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.admin import ADMIN_PATHS, build_admin
 from sidecar.admission import Admission
 from sidecar.cost import request_cost
-from sidecar.observe import StateCollector, Telemetry
+from sidecar.observe import StateCollector, Telemetry, register_process_metrics
 from sidecar.policy import LoadedPolicy, PolicyError, load_policy_file
 from sidecar.proxy import Proxy, Receive, Scope, Send, make_session
 from sidecar.signals.engine import EngineScraper, make_control_client
@@ -54,11 +54,18 @@ class SidecarApp:
         self.gpu_source = gpu_source
         self.policy_path = policy_path
         self.registry = CollectorRegistry()
-        self.telemetry = Telemetry(self.registry, decision_log)
+        self.telemetry = Telemetry(self.registry, decision_log, shadow=mode_shadow)
+        register_process_metrics(self.registry)
         self.admission = Admission(policy, clock, shadow=mode_shadow, observer=self.telemetry)
         self.telemetry.context = self._log_context
         self.counter = PromptCounter(self._counter_config(), engine_tokenize=self._engine_tokenize)
-        self.proxy = Proxy(self.upstream, self.admission, self.counter, chunk_hint=self._chunk_hint)
+        self.proxy = Proxy(
+            self.upstream,
+            self.admission,
+            self.counter,
+            chunk_hint=self._chunk_hint,
+            on_first_byte=self.telemetry.first_byte,
+        )
         self.admin = build_admin(self, admin_token)
         self.registry.register(
             StateCollector(self.admission, clock, self.gate_open, lambda: self.telemetry.dropped_log_lines)
@@ -198,12 +205,16 @@ class SidecarApp:
         try:
             loaded = load_policy_file(self.policy_path)
         except PolicyError as e:
+            self.telemetry.policy_reload(applied=False)
             log.error("policy reload refused, keeping %s: %s", self.admission.policy.name, e)
             return
         try:
             self.apply_policy(loaded)
         except PolicyError as e:
+            self.telemetry.policy_reload(applied=False)
             log.error("policy reload refused, keeping %s: %s", self.admission.policy.name, e)
+            return
+        self.telemetry.policy_reload(applied=True)
 
     def apply_policy(self, loaded: LoadedPolicy) -> None:
         """Swap the policy; a tokenizer that fails to load refuses the whole policy (raises PolicyError)."""

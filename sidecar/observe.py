@@ -9,6 +9,7 @@ an absent series, never a 0.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import logging
 import queue
@@ -17,7 +18,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import IO, TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -31,6 +40,15 @@ if TYPE_CHECKING:
 
 PREFIX = "sglang_sidecar_"
 HOLD_BUCKETS = (0.005, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# A long prefill runs for minutes before its first token (a 500K-token prompt on one GPU).
+FIRST_BYTE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+# What a request can be held for: the constraints and the signals (``on_stale``/``on_exceed: hold``).
+# queue_full, hold_timeout, unfit_request and draining only ever reject.
+HOLD_REASONS = tuple(
+    r
+    for r in Reason
+    if r not in (Reason.QUEUE_FULL, Reason.HOLD_TIMEOUT, Reason.UNFIT_REQUEST, Reason.DRAINING)
+)
 
 log = logging.getLogger("sidecar.decision")
 
@@ -82,44 +100,105 @@ class LineWriter:
 
 
 class Telemetry:
-    """Implements the admission Observer: counts decisions and outcomes, writes the decision log."""
+    """Implements the admission Observer: counts decisions and outcomes, writes the decision log.
 
-    def __init__(self, registry: CollectorRegistry, decision_log: IO[str] | None = None) -> None:
+    Counters sum to what they name. ``decisions_total`` counts one *final* decision per gated request
+    that got one (admit, or reject with its reason); a hold is not final, so a request that was held
+    is counted once more, at the moment it is parked, in ``held_total{reason}``. ``hold_seconds``
+    observes every final decision's wait (0 when decided at once), so its ``_count`` equals the sum of
+    ``decisions_total``. In shadow mode a request that enforcement would have held is forwarded at
+    once: it is counted in ``held_total`` and as an admit after a 0 s hold.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        decision_log: IO[str] | None = None,
+        *,
+        shadow: bool = False,
+    ) -> None:
         self.registry = registry
+        self.shadow = shadow
         decisions = Counter(
             PREFIX + "decisions",
-            "Admission decisions by decision and reason",
+            "Final admission decisions, one per gated request that got one: admit, or reject by reason",
             ["decision", "reason"],
             registry=registry,
         )
-        self._decisions = {
-            (a, r): decisions.labels(a.value, r.value if r else "none")
-            for a in Action
-            for r in (None, *Reason)
-            if not (a is Action.ADMIT and r is not None)
-        }
+        # Only the pairs that can happen exist: an admit has no reason, a reject always has one.
+        self._admits = decisions.labels(Action.ADMIT.value, "none")
+        self._rejects = {r: decisions.labels(Action.REJECT.value, r.value) for r in Reason}
+        held = Counter(
+            PREFIX + "held",
+            "Gated requests parked in the hold queue, by the reason they were held (whatever came next)",
+            ["reason"],
+            registry=registry,
+        )
+        self._held = {r: held.labels(r.value) for r in HOLD_REASONS}
         requests = Counter(
-            PREFIX + "requests", "Gated requests by how they ended", ["outcome"], registry=registry
+            PREFIX + "requests",
+            "Gated requests by how they ended, one per request",
+            ["outcome"],
+            registry=registry,
         )
         self._outcomes = {o: requests.labels(o.value) for o in Outcome}
         self._hold = Histogram(
             PREFIX + "hold_seconds",
-            "Time requests spent held before admission or rejection",
+            "Time from arrival to the final decision (0 for a request decided at once)",
             buckets=HOLD_BUCKETS,
             registry=registry,
         )
+        self._first_byte = Histogram(
+            PREFIX + "upstream_first_byte_seconds",
+            "Time from forwarding an admitted request to the upstream's first body byte "
+            "(for a stream, about the time to first token)",
+            buckets=FIRST_BYTE_BUCKETS,
+            registry=registry,
+        )
+        reloads = Counter(
+            PREFIX + "policy_reloads",
+            "Policy reload attempts (SIGHUP or upload) by result: applied or refused",
+            ["result"],
+            registry=registry,
+        )
+        self._reloads = {ok: reloads.labels("applied" if ok else "refused") for ok in (True, False)}
+        self._reload_ok = Gauge(
+            PREFIX + "policy_last_reload_successful",
+            "0 when the last policy reload attempt was refused (the previous policy stays), else 1",
+            registry=registry,
+        )
+        self._reload_ok.set(1)
         self._writer = LineWriter(decision_log) if decision_log is not None else None
         self.context: Callable[[], dict[str, Any]] = dict
 
     def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
-        self._decisions[(d.action, d.reason)].inc()
-        if d.action is not Action.HOLD:
+        if d.action is Action.HOLD:
+            # A hold always names what it waits for; a reason-less hold would be a core bug, counted
+            # under the strict-order wait it most likely is rather than dropped.
+            self._held[d.reason if d.reason in self._held else Reason.VRAM_HEADROOM].inc()
+            if self.shadow:
+                self._admits.inc()
+                self._hold.observe(0.0)
+        elif d.action is Action.ADMIT:
+            self._admits.inc()
+            self._hold.observe(waited_s)
+        else:
+            self._rejects[d.reason or Reason.UNFIT_REQUEST].inc()
             self._hold.observe(waited_s)
         line = decision_record(d, cost, waited_s, ledger, self.context())
         if self._writer is not None:
             self._writer.put(line)
         else:
             log.debug(line)
+
+    def first_byte(self, seconds: float) -> None:
+        """The upstream's first body byte for an admitted request arrived ``seconds`` after forwarding."""
+        self._first_byte.observe(seconds)
+
+    def policy_reload(self, applied: bool) -> None:
+        """One reload attempt, from either path (SIGHUP or ``POST /admission/policy``)."""
+        self._reloads[applied].inc()
+        self._reload_ok.set(1 if applied else 0)
 
     @property
     def dropped_log_lines(self) -> int:
@@ -131,6 +210,25 @@ class Telemetry:
 
     def outcome(self, outcome: Outcome) -> None:
         self._outcomes[outcome].inc()
+
+
+def register_process_metrics(registry: CollectorRegistry) -> None:
+    """``process_*`` (CPU, memory, file descriptors), ``python_info``, ``python_gc_*`` and
+    ``sglang_sidecar_build_info{version}``: what tells a restart, a leak or an upgrade apart."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    info = Gauge(
+        PREFIX + "build_info", "The running sidecar's version; always 1", ["version"], registry=registry
+    )
+    info.labels(sidecar_version()).set(1)
+
+
+def sidecar_version() -> str:
+    try:
+        return importlib.metadata.version("sglang-sidecar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def decision_record(
@@ -233,7 +331,9 @@ class StateCollector(Collector):
         yield from (m for m in metrics if m is not None)
 
         usage = GaugeMetricFamily(
-            PREFIX + "engine_token_usage", "SGLang pool usage per pool", labels=["pool"]
+            PREFIX + "engine_token_usage_ratio",
+            "SGLang pool usage per pool (0-1), last report",
+            labels=["pool"],
         )
         for pool, v in (
             ("full", e and e.full_token_usage),
@@ -273,7 +373,11 @@ class StateCollector(Collector):
                 age.add_metric([name], v)
         yield age
 
-        fails = GaugeMetricFamily(PREFIX + "signal_failures", "Consecutive failed reads", labels=["signal"])
+        fails = GaugeMetricFamily(
+            PREFIX + "signal_consecutive_failures",
+            "Failed reads in a row since the last good one (0 when the last read worked)",
+            labels=["signal"],
+        )
         fails.add_metric(["engine"], float(snap.engine_health.consecutive_failures))
         fails.add_metric(["gpu"], float(snap.gpu_health.consecutive_failures))
         yield fails

@@ -18,6 +18,7 @@ import functools
 import itertools
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -159,8 +160,10 @@ class Proxy:
         counter: PromptCounter,
         *,
         chunk_hint: Callable[[], int | None] = lambda: None,
+        on_first_byte: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.upstream = upstream.rstrip("/")
+        self.on_first_byte = on_first_byte
         self.admission = admission
         self.counter = counter
         self.chunk_hint = chunk_hint
@@ -284,6 +287,7 @@ class Proxy:
             url += "?" + scope["query_string"].decode("latin-1")
         outcome = Outcome.UPSTREAM_ERROR
         started = False
+        forwarded_at = time.monotonic()
         try:
             async with self.session.request(
                 scope["method"],
@@ -299,6 +303,7 @@ class Proxy:
                 async for chunk in resp.content.iter_any():
                     if first and ticket is not None:
                         ticket.prefill_done()
+                        self.on_first_byte(time.monotonic() - forwarded_at)
                         first = False
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b""})

@@ -28,10 +28,17 @@ CONTRACT_METRICS = {
     "gpu_free_bytes",
     "engine_queue_requests",
     "engine_running_requests",
-    "engine_token_usage",
+    "engine_token_usage_ratio",
     "pending_prefill_tokens",
     "signal_age_seconds",
     "policy_info",
+    # issue #8 item 8: summable counters, ratios named so, build and process facts, first byte
+    "held",
+    "build_info",
+    "upstream_first_byte_seconds",
+    "signal_consecutive_failures",
+    "policy_reloads",
+    "policy_last_reload_successful",
 }
 
 
@@ -49,9 +56,9 @@ async def test_metrics_carry_the_contract_names_and_parse(tmp_path: Path) -> Non
     assert samples[("sglang_sidecar_decisions_total", (("decision", "admit"), ("reason", "none")))] == 1
     assert samples[("sglang_sidecar_requests_total", (("outcome", "completed"),))] == 1
     assert samples[("sglang_sidecar_gate_open", ())] == 1
-    assert samples[("sglang_sidecar_engine_token_usage", (("pool", "full"),))] == 0
+    assert samples[("sglang_sidecar_engine_token_usage_ratio", (("pool", "full"),))] == 0
     # The fake engine exports no Mamba gauge: the series is absent, not 0.
-    assert ("sglang_sidecar_engine_token_usage", (("pool", "mamba"),)) not in samples
+    assert ("sglang_sidecar_engine_token_usage_ratio", (("pool", "mamba"),)) not in samples
     assert any(k[0] == "sglang_sidecar_policy_info" and dict(k[1])["name"] == "test-lane" for k in samples)
 
 
@@ -101,7 +108,8 @@ async def test_shadow_mode_forwards_what_enforce_would_hold(tmp_path: Path) -> N
         assert r.headers["x-admission-shadow-decision"] == "hold"
         assert r.headers["x-admission-shadow-reason"] == "vram_headroom"
         text = (await client.get(url + "/metrics")).text
-        assert 'sglang_sidecar_decisions_total{decision="hold",reason="vram_headroom"} 1.0' in text
+        assert 'sglang_sidecar_held_total{reason="vram_headroom"} 1.0' in text
+        assert 'sglang_sidecar_decisions_total{decision="admit",reason="none"} 1.0' in text
         assert (await client.get(url + "/admission/state")).json()["mode"] == "shadow"
         assert app.admission.ledger.totals.requests == 0
 

@@ -1,0 +1,125 @@
+"""Metric semantics: every counter sums to what it names, and promtool finds nothing to lint."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import MIB
+from tests.harness import FakeEngine, eventually, gen, lane, write_gpu_file
+from tests.tools import run_tool
+
+P = "sglang_sidecar_"
+
+
+def samples(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """name -> {sorted labels: value}, read with the real prometheus-client parser."""
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = defaultdict(dict)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name][tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def total(series: dict[tuple[tuple[str, str], ...], float]) -> float:
+    return sum(series.values())
+
+
+async def test_counters_sum_to_requests_and_held_requests_decide_once(tmp_path: Path) -> None:
+    """Three held (one leaves, two admitted later), one queue_full, one unfit: 5 requests, 4 final
+    decisions, 3 held. A held-then-admitted request is one admit, not a hold plus an admit."""
+    engine = FakeEngine(events=1)
+    async with (
+        lane(tmp_path, engine, free_mib=0, hold__max_held=3) as (url, app, gpu_file),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        held = [
+            asyncio.create_task(client.post(url + "/generate", json=gen(stream=True, rid=f"h{i}")))
+            for i in range(3)
+        ]
+        await eventually(lambda: app.admission.held == 3)
+        full = await client.post(url + "/generate", json=gen(rid="full"))
+        assert full.headers["x-admission-reason"] == "queue_full"
+        unfit = await client.post(url + "/generate", json=gen(tokens=200_000, rid="unfit"))
+        assert unfit.headers["x-admission-reason"] == "unfit_request"
+        held[0].cancel()
+        await eventually(lambda: app.admission.held == 2)
+        write_gpu_file(gpu_file, 1024 * MIB)
+        for t in held[1:]:
+            assert (await t).status_code == 200
+        await eventually(lambda: app.admission.ledger.totals.requests == 0)
+        m = samples((await client.get(url + "/metrics")).text)
+
+    requests, decisions = m[P + "requests_total"], m[P + "decisions_total"]
+    assert total(requests) == 5
+    assert requests[(("outcome", "completed"),)] == 2
+    assert requests[(("outcome", "rejected"),)] == 2
+    assert requests[(("outcome", "client_gone"),)] == 1
+    # One final decision per request that got one (the leaver got none).
+    assert total(decisions) == 4
+    assert decisions[(("decision", "admit"), ("reason", "none"))] == 2
+    assert decisions[(("decision", "reject"), ("reason", "queue_full"))] == 1
+    assert decisions[(("decision", "reject"), ("reason", "unfit_request"))] == 1
+    # Only possible pairs exist: no hold decision, no reason-less reject, no admit with a reason.
+    for labels in decisions:
+        d = dict(labels)
+        assert d["decision"] in ("admit", "reject")
+        assert (d["decision"] == "admit") == (d["reason"] == "none"), d
+    assert m[P + "held_total"][(("reason", "vram_headroom"),)] == 3
+    assert total(m[P + "held_total"]) == 3
+    # hold_seconds observes every final decision: its count is the decisions' sum.
+    assert m[P + "hold_seconds_count"][()] == total(decisions)
+    assert m[P + "upstream_first_byte_seconds_count"][()] == 2
+    assert m[P + "upstream_first_byte_seconds_sum"][()] > 0
+
+
+async def test_shadow_mode_counts_what_enforcement_would_do_once_per_request(tmp_path: Path) -> None:
+    async with (
+        lane(tmp_path, FakeEngine(events=1), free_mib=0, app_kwargs={"mode_shadow": True}) as (url, _, _),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
+        m = samples((await client.get(url + "/metrics")).text)
+    assert m[P + "held_total"][(("reason", "vram_headroom"),)] == 1
+    assert total(m[P + "decisions_total"]) == 1 == total(m[P + "requests_total"])
+    assert m[P + "decisions_total"][(("decision", "admit"), ("reason", "none"))] == 1
+
+
+async def test_build_info_process_metrics_and_renamed_gauges(tmp_path: Path) -> None:
+    async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
+        m = samples((await client.get(url + "/metrics")).text)
+    (labels,) = m[P + "build_info"]
+    assert dict(labels)["version"] not in ("", "unknown") and m[P + "build_info"][labels] == 1
+    assert m["process_resident_memory_bytes"][()] > 0
+    assert m["process_start_time_seconds"][()] > 0
+    assert (("pool", "full"),) in m[P + "engine_token_usage_ratio"]
+    assert m[P + "signal_consecutive_failures"][(("signal", "engine"),)] == 0
+    assert m[P + "policy_last_reload_successful"][()] == 1
+    for old in ("engine_token_usage", "signal_failures"):
+        assert P + old not in m
+
+
+async def test_promtool_check_metrics_on_live_metrics_is_clean(tmp_path: Path) -> None:
+    """After traffic of every kind, so that every family has samples to lint."""
+    engine = FakeEngine(events=1)
+    async with (
+        lane(tmp_path, engine, free_mib=0, hold__max_held=1) as (url, app, gpu_file),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        task = asyncio.create_task(client.post(url + "/generate", json=gen(stream=False, rid="held")))
+        await eventually(lambda: app.admission.held == 1)
+        assert (await client.post(url + "/generate", json=gen(rid="x"))).status_code == 503
+        write_gpu_file(gpu_file, 1024 * MIB)
+        assert (await task).status_code == 200
+        text = (await client.get(url + "/metrics")).text
+    r = run_tool("promtool", "check", "metrics", timeout=30, stdin_text=text)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+    # The linter is really looking: a counter without `_total` is reported.
+    bad = run_tool(
+        "promtool", "check", "metrics", stdin_text="# HELP x_calls c\n# TYPE x_calls counter\nx_calls 1\n"
+    )
+    assert bad.returncode != 0 and "_total" in bad.stdout + bad.stderr
