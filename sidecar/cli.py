@@ -133,17 +133,13 @@ def _check_policy(args: argparse.Namespace) -> int:
     except PolicyError as e:
         print(str(e), file=sys.stderr)
         return EXIT_USAGE
+    from sidecar.policy_summary import render, summarize
+
     p = loaded.policy
-    print(f"{args.file}: OK: policy {p.name!r} sha256 {loaded.sha256[:16]}")
+    print(f"{args.file}: OK: policy {p.name!r} sha256 {loaded.sha256}")
     print(f"  gated paths: {', '.join(p.gated_paths)}")
-    print(
-        f"  engine queue <= {p.engine_queue.max_requests}, pending prefill <= {p.pending_prefill.max_tokens:,} tokens,"
-        f" hold <= {p.hold.max_held} for {p.hold.max_wait_s:g}s"
-    )
-    print(
-        f"  stale engine > {p.engine.max_age_s:g}s: {p.engine.on_stale.value}; "
-        f"stale gpu > {p.gpu.max_age_s:g}s: {p.gpu.on_stale.value} (gpu required: {p.gpu.required})"
-    )
+    for line in render(summarize(p)):
+        print(line)
     return 0
 
 

@@ -1,20 +1,75 @@
 """Lane policies: which signals the gate reads, which limits it enforces, what it does when blind.
 
 A policy is a YAML file validated by the models below (unknown keys are errors, so a typo never
-silently disables a limit). Sizes accept plain bytes or units (``560MiB``, ``1.5GiB``). Errors name
-the file, the line and the field, because the person reading them is on call.
+silently disables a limit). Sizes accept plain bytes or binary units (``560MiB``, ``1.5GiB``); decimal
+units (``560MB``) are refused because NVML, nvidia-smi and the incident figures all count in MiB, and an
+SRE who writes "MB" almost always means MiB: a silent 5 % difference in a reserve is how a lane dies.
+Errors name the file, the line and the field, because the person reading them is on call.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from sidecar.yamlconf import ConfigError, load_model, read_text
+
+
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
+_DECIMAL = {"k", "kb", "m", "mb", "g", "gb"}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as ``560MiB``; refuses negatives and decimal units, saying why."""
+    if isinstance(value, bool):
+        raise ValueError(f"a size must be bytes or a string such as 560MiB, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value:g}")
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"a size in bytes must be a whole number, got {value:g}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"a size must be bytes or a string such as 560MiB, got {type(value).__name__}")
+    text = value.strip()
+    if text.startswith("-"):
+        raise ValueError(f"a size cannot be negative, got {value!r}")
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"not a size: {value!r} (write plain bytes, or a number with KiB, MiB or GiB)")
+    number, unit = m.groups()
+    if unit not in _UNITS:
+        prefix = unit[:1].upper()
+        if unit.lower() in _DECIMAL and prefix in "KMG":
+            raise ValueError(
+                f"{value!r}: decimal units ({unit}) are not accepted: sizes are binary, as NVML and "
+                f"nvidia-smi count them; write {number}{prefix}iB or plain bytes (units: KiB, MiB, GiB)"
+            )
+        raise ValueError(f"{value!r}: unknown unit {unit!r}; write plain bytes, or KiB, MiB or GiB")
+    if _UNITS[unit] == 1 and "." in number:
+        raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
+    return int(float(number) * _UNITS[unit])
+
+
+# Bytes: an int, or a string with a binary unit. Never negative, never a decimal unit.
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def format_size(n: float | None) -> str:
+    """Bytes as an SRE reads them: MiB with thousands separators (GiB from 10 GiB up)."""
+    if n is None:
+        return "unknown"
+    if abs(n) >= 10 * (1 << 30):
+        return f"{n / (1 << 30):,.1f} GiB"
+    return f"{n / (1 << 20):,.0f} MiB"
 
 
 class StaleAction(StrEnum):
@@ -69,11 +124,11 @@ class Cost(_Strict):
     full-context gather whose growth a bounded-gather build caps.
     """
 
-    fixed_bytes: ByteSize = ByteSize(0)
-    activation_bytes_per_chunk_token: ByteSize
-    context_bytes_per_token: ByteSize = ByteSize(0)
-    gather_bytes_per_context_token: ByteSize = ByteSize(0)
-    gather_cap_bytes: ByteSize | None = None
+    fixed_bytes: Size = 0
+    activation_bytes_per_chunk_token: Size
+    context_bytes_per_token: Size = 0
+    gather_bytes_per_context_token: Size = 0
+    gather_cap_bytes: Size | None = None
     margin: float = Field(default=1.0, ge=1.0)
 
 
@@ -97,14 +152,14 @@ class HeadroomSource(StrEnum):
 class Vram(_Strict):
     headroom: HeadroomSource = HeadroomSource.NVML_FREE
     # NVML free with the engine idle and warmed up (CUDA graphs captured), measured on the lane.
-    idle_free_bytes: ByteSize | None = None
+    idle_free_bytes: Size | None = None
     # What other processes held on the card when idle_free_bytes was measured; growth beyond it comes
     # out of the budget (idle_budget mode, GPU sources that report per-process memory).
-    other_processes_bytes: ByteSize | None = None
-    reserve_bytes: ByteSize = ByteSize(0)
+    other_processes_bytes: Size | None = None
+    reserve_bytes: Size = 0
     # The most a transient can ever get on this lane when idle; larger requests are unfit. Defaults to
     # idle_free_bytes - reserve_bytes when that is known.
-    max_transient_bytes: ByteSize | None = None
+    max_transient_bytes: Size | None = None
     on_exceed: ExceedAction = ExceedAction.HOLD
 
     @model_validator(mode="after")
@@ -207,7 +262,7 @@ class Hold(_Strict):
 
 class Limits(_Strict):
     # A 524,288-token prompt is several MB of text; JSON escaping can double it.
-    max_body_bytes: ByteSize = ByteSize(32 * 1024 * 1024)
+    max_body_bytes: Size = 32 * 1024 * 1024
 
 
 DEFAULT_GATED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -229,6 +284,48 @@ class Policy(_Strict):
     gpu: Gpu
     hold: Hold
     limits: Limits = Limits()
+
+    def located_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """Policies that validate field by field but could never admit anything, each at its field.
+
+        Every one of these makes every request ``unfit_request``: the lane would answer nothing but 503s
+        from the moment the policy is loaded, which is worse than refusing the policy.
+        """
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        v = self.vram
+        if v.idle_free_bytes is not None and v.reserve_bytes >= v.idle_free_bytes:
+            problems.append(
+                (
+                    ("vram", "reserve_bytes"),
+                    f"{format_size(v.reserve_bytes)} is at or above idle_free_bytes "
+                    f"({format_size(v.idle_free_bytes)}): no transient could ever fit, every request "
+                    "would be rejected as unfit_request",
+                )
+            )
+        if v.max_transient_bytes == 0:
+            problems.append(
+                (("vram", "max_transient_bytes"), "0 bytes: every request would be rejected as unfit_request")
+            )
+        pool = self.lane.kv_pool_tokens
+        if pool is not None and self.kv.reserve_tokens >= pool:
+            problems.append(
+                (
+                    ("kv", "reserve_tokens"),
+                    f"{self.kv.reserve_tokens:,} tokens is at or above the KV pool (lane.kv_pool_tokens "
+                    f"{pool:,}): every request would be rejected as unfit_request",
+                )
+            )
+        slots = self.lane.mamba_slots
+        m = self.mamba
+        if m is not None and slots is not None and m.slots_per_request + m.reserve_slots > slots:
+            problems.append(
+                (
+                    ("mamba", "reserve_slots"),
+                    f"slots_per_request ({m.slots_per_request}) + reserve_slots ({m.reserve_slots}) exceed "
+                    f"the pool (lane.mamba_slots {slots}): every request would be rejected as unfit_request",
+                )
+            )
+        return problems
 
 
 @dataclass(frozen=True, slots=True)

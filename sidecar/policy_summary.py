@@ -1,0 +1,224 @@
+"""What a policy will do on its lane, in the numbers an SRE thinks in.
+
+A policy is a list of limits; what an on-call engineer needs to know is what they add up to: the longest
+prompt this lane will ever take (and which limit says so), how big a 256K prefill is projected to be,
+how deep the queues may get, what happens when a signal goes quiet. ``check-policy`` prints this and
+``/admission/state`` serves it under ``policy``; both come from :func:`summarize`, so they cannot differ.
+
+Pure: the projection is the gate's own (``cost.project_bytes``), the limits are the gate's unfit rules
+applied to the lane's constants (the engine's reported values when the caller has them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from sidecar.cost import project_bytes
+from sidecar.policy import HeadroomSource, Policy, SignalPolicy, StaleAction, format_size
+
+# Prompt lengths an SRE asks about: the long-context tiers people actually configure.
+PROBE_TOKENS = (65_536, 131_072, 262_144, 500_000)
+# Beyond any context length shipped today: a transient limit above this is "none".
+SEARCH_LIMIT = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimit:
+    """The longest cold prompt one limit lets through (``None``: this limit sets none)."""
+
+    by: str
+    max_prompt_tokens: int | None
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    prompt_tokens: int
+    projected_bytes: int
+    fits: bool
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySummary:
+    name: str
+    headroom: str
+    transient_cap_bytes: int | None
+    max_prompt_tokens: int | None
+    limited_by: str | None
+    prompt_limits: tuple[PromptLimit, ...]
+    projections: tuple[Projection, ...]
+    engine_queue_max_requests: int
+    pending_prefill_max_tokens: int
+    hold_max_held: int
+    hold_max_wait_s: float
+    on_stale: dict[str, str]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _largest(fits, hi: int) -> int:  # type: ignore[no-untyped-def]
+    """Largest n in [0, hi] with fits(n), for a monotone predicate (fits(0) assumed)."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def summarize(
+    policy: Policy,
+    *,
+    context_len: int | None = None,
+    kv_pool_tokens: int | None = None,
+    mamba_slots: int | None = None,
+    chunk: int | None = None,
+) -> PolicySummary:
+    """The policy's limits on this lane. Keyword arguments are the engine's reports, when known; the
+    policy's ``lane`` section is the fallback, exactly as in the gate."""
+    lane = policy.lane
+    context = context_len or lane.context_len
+    pool = kv_pool_tokens or lane.kv_pool_tokens
+    slots = mamba_slots or lane.mamba_slots
+    chunk = chunk or lane.chunked_prefill_size
+    cap = policy.vram.transient_cap()
+
+    def transient(n: int) -> int:
+        return project_bytes(policy, n, n, chunk)
+
+    # A prompt must leave room for at least one new token inside the context (gate: prompt >= context
+    # is unfit), so the context alone allows context - 1.
+    limits = [PromptLimit("context", context - 1, f"prompt + max_new_tokens must stay within {context:,}")]
+    if cap is not None:
+        if transient(1) > cap:
+            n: int | None = 0
+        elif transient(SEARCH_LIMIT) <= cap:
+            n = None
+        else:
+            n = _largest(lambda k: transient(k) <= cap, SEARCH_LIMIT)
+        how = (
+            f"idle budget {format_size(policy.vram.idle_free_bytes)} - reserve "
+            f"{format_size(policy.vram.reserve_bytes)}"
+            if policy.vram.max_transient_bytes is None
+            else "vram.max_transient_bytes"
+        )
+        limits.append(PromptLimit("transient", n, f"projected prefill transient <= {format_size(cap)}: {how}"))
+    else:
+        limits.append(
+            PromptLimit(
+                "transient",
+                None,
+                "no cap: headroom is live GPU free memory, a request waits until its transient fits",
+            )
+        )
+    if pool is not None:
+        room = pool - policy.kv.reserve_tokens
+        limits.append(PromptLimit("kv_pool", max(0, room), f"KV pool {pool:,} - reserve {policy.kv.reserve_tokens:,}"))
+    m = policy.mamba
+    if m is not None and slots is not None:
+        room = slots - m.reserve_slots - m.slots_per_request
+        if room < 0:
+            n = 0
+        elif m.checkpoint_interval_tokens:
+            n = room * m.checkpoint_interval_tokens
+        else:
+            n = None
+        per = (
+            f" + 1 per {m.checkpoint_interval_tokens:,} prompt tokens" if m.checkpoint_interval_tokens else ""
+        )
+        limits.append(
+            PromptLimit(
+                "mamba_slots",
+                n,
+                f"{m.slots_per_request} slot(s) per request{per} within {slots} - reserve {m.reserve_slots}",
+            )
+        )
+    bounded = [lim for lim in limits if lim.max_prompt_tokens is not None]
+    tightest = min(bounded, key=lambda lim: lim.max_prompt_tokens or 0) if bounded else None
+    max_prompt = tightest.max_prompt_tokens if tightest else None
+
+    projections = []
+    for n in PROBE_TOKENS:
+        b = transient(n)
+        if max_prompt is not None and n > max_prompt:
+            note = f"unfit: over the {tightest.by} limit" if tightest else "unfit"
+            fits = False
+        else:
+            fits, note = True, "fits an idle lane"
+        projections.append(Projection(n, b, fits, note))
+
+    return PolicySummary(
+        name=policy.name,
+        headroom=policy.vram.headroom.value,
+        transient_cap_bytes=cap,
+        max_prompt_tokens=max_prompt,
+        limited_by=tightest.by if tightest else None,
+        prompt_limits=tuple(limits),
+        projections=tuple(projections),
+        engine_queue_max_requests=policy.engine_queue.max_requests,
+        pending_prefill_max_tokens=policy.pending_prefill.max_tokens,
+        hold_max_held=policy.hold.max_held,
+        hold_max_wait_s=policy.hold.max_wait_s,
+        on_stale=_on_stale(policy),
+    )
+
+
+def _blind(sp: SignalPolicy, policy: Policy) -> str:
+    return {
+        StaleAction.HOLD: f"requests are held, up to {policy.hold.max_wait_s:g} s, then 503 hold_timeout",
+        StaleAction.REJECT: "requests are rejected at once with 503 signals_stale",
+        StaleAction.ADMIT: "requests are admitted blind (that signal's constraints pass)",
+    }[sp.on_stale]
+
+
+def _on_stale(policy: Policy) -> dict[str, str]:
+    e, g = policy.engine, policy.gpu
+    out = {
+        "engine": f"older than {e.max_age_s:g} s (polled every {e.poll_interval_s:g} s): {_blind(e, policy)}; after "
+        f"{e.unavailable_after_failures} failed reads in a row: 503 engine_unavailable",
+    }
+    if policy.vram.headroom is HeadroomSource.IDLE_BUDGET:
+        out["gpu"] = (
+            "not used to admit (headroom is the idle budget); when fresh, other processes' growth "
+            f"beyond {format_size(policy.vram.other_processes_bytes)} comes out of the budget"
+            if policy.vram.other_processes_bytes is not None
+            else "not used to admit (headroom is the idle budget)"
+        )
+    elif not g.required:
+        out["gpu"] = "optional: without a GPU source the VRAM constraint is off"
+    else:
+        out["gpu"] = f"older than {g.max_age_s:g} s (polled every {g.poll_interval_s:g} s): {_blind(g, policy)}"
+    return out
+
+
+def render(summary: PolicySummary) -> list[str]:
+    """The summary as lines for a terminal (``check-policy``)."""
+    s = summary
+    lines = ["What this policy does on its lane:"]
+    if s.max_prompt_tokens is None:
+        lines.append("  largest prompt it can ever admit: no limit of its own")
+    else:
+        lines.append(f"  largest prompt it can ever admit: {s.max_prompt_tokens:,} tokens (set by {s.limited_by})")
+    for lim in s.prompt_limits:
+        n = "no limit" if lim.max_prompt_tokens is None else f"{lim.max_prompt_tokens:,} tokens"
+        lines.append(f"    by {lim.by + ':':<12} {n:>16}  ({lim.why})")
+    lines.append(f"  projected prefill transient (cold prompt, headroom: {s.headroom}):")
+    for p in s.projections:
+        lines.append(f"    {_tokens(p.prompt_tokens):>5} tokens: {format_size(p.projected_bytes):>10}  {p.note}")
+    lines.append(
+        f"  queues: engine queue <= {s.engine_queue_max_requests} requests, pending prefill <= "
+        f"{s.pending_prefill_max_tokens:,} tokens, hold queue <= {s.hold_max_held} requests for "
+        f"<= {s.hold_max_wait_s:g} s"
+    )
+    for signal, what in s.on_stale.items():
+        lines.append(f"  {signal} signal: {what}")
+    return lines
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{math.floor(n / 1000)}K"
