@@ -8,6 +8,7 @@ dependency restarts the sidecar for the engine's outage.
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -16,12 +17,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.cost import request_cost_of
 from sidecar.gate import headroom_bytes
-from sidecar.policy import PolicyError, load_policy_text
+from sidecar.policy_source import UploadRefused
+from sidecar.policy_summary import summarize
 from sidecar.proxy import decision_body
 from sidecar.requests import BadRequest, parse_explain
 
 if TYPE_CHECKING:
     from sidecar.app import SidecarApp
+
+log = logging.getLogger("sidecar.policy")
 
 ADMIN_PATHS = frozenset(
     {
@@ -104,7 +108,20 @@ def state(app: SidecarApp) -> dict[str, Any]:
             "max_held": a.policy.hold.max_held,
             "max_wait_s": a.policy.hold.max_wait_s,
         },
-        "policy": {"name": a.policy.name, "sha256": a.loaded.sha256, "path": a.loaded.path},
+        "policy": {
+            "name": a.policy.name,
+            "sha256": a.loaded.sha256,
+            "path": a.loaded.path,
+            # What it will do on this lane, with the engine's reported constants where it has them.
+            "summary": summarize(
+                a.policy,
+                context_len=e.context_len if e else None,
+                kv_pool_tokens=e.max_total_tokens if e else None,
+                mamba_slots=e.mamba_total_slots if e else None,
+                chunk=e.chunked_prefill_size if e else None,
+            ).as_dict(),
+            **app.policy_source.state(),
+        },
     }
 
 
@@ -170,30 +187,30 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
 
     @api.post("/admission/policy")
     async def put_policy(request: Request) -> JSONResponse:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "unknown client"
         if admin_token is None:
+            log.warning("policy upload from %s refused (403): uploads are disabled", client)
             return _err(403, "policy upload is disabled: start with --admin-token-file", "disabled")
         auth = request.headers.get("authorization", "")
         if not hmac.compare_digest(auth.encode(), f"Bearer {admin_token}".encode()):
+            log.warning("policy upload from %s refused (401): missing or wrong bearer token", client)
             return _err(401, "missing or wrong bearer token", "unauthorized")
-        text = (await request.body()).decode("utf-8", errors="replace")
         try:
-            loaded = load_policy_text(text, "<POST /admission/policy>")
-            app.apply_policy(loaded)
-        except PolicyError as e:
-            app.telemetry.policy_reload(applied=False)
+            record = app.policy_source.upload(await request.body())
+        except UploadRefused as e:
             body = {
-                "error": {
-                    "message": str(e),
-                    "type": "policy_invalid",
-                    "code": "policy_invalid",
-                    "param": None,
-                },
+                "error": {"message": e.message, "type": "policy_refused", "code": e.code, "param": None},
                 "problems": e.problems,
                 "kept": app.admission.policy.name,
             }
-            return JSONResponse(body, 422)
-        app.telemetry.policy_reload(applied=True)
-        return JSONResponse({"name": loaded.policy.name, "sha256": loaded.sha256})
+            return JSONResponse(body, e.status)
+        return JSONResponse(
+            {
+                "name": record.policy,
+                "sha256": record.sha256,
+                "written_to_file": app.policy_source.path is not None,
+            }
+        )
 
     @api.get("/metrics")
     async def metrics() -> Response:

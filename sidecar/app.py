@@ -23,7 +23,8 @@ from sidecar.admin import ADMIN_PATHS, build_admin
 from sidecar.admission import Admission
 from sidecar.cost import request_cost
 from sidecar.observe import StateCollector, Telemetry, register_process_metrics
-from sidecar.policy import LoadedPolicy, PolicyError, load_policy_file
+from sidecar.policy import LoadedPolicy, PolicyError
+from sidecar.policy_source import PolicySource
 from sidecar.proxy import Proxy, Receive, Scope, Send, make_session
 from sidecar.signals.engine import EngineScraper, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
@@ -65,6 +66,9 @@ class SidecarApp:
             self.counter,
             chunk_hint=self._chunk_hint,
             on_first_byte=self.telemetry.first_byte,
+        )
+        self.policy_source = PolicySource(
+            policy_path, self.apply_policy, lambda: self.admission.loaded, self.telemetry.policy_reload
         )
         self.admin = build_admin(self, admin_token)
         self.registry.register(
@@ -199,22 +203,8 @@ class SidecarApp:
     # -- policy -----------------------------------------------------------------------------------
 
     def reload_from_file(self) -> None:
-        if self.policy_path is None:
-            log.warning("SIGHUP: no policy file to reload")
-            return
-        try:
-            loaded = load_policy_file(self.policy_path)
-        except PolicyError as e:
-            self.telemetry.policy_reload(applied=False)
-            log.error("policy reload refused, keeping %s: %s", self.admission.policy.name, e)
-            return
-        try:
-            self.apply_policy(loaded)
-        except PolicyError as e:
-            self.telemetry.policy_reload(applied=False)
-            log.error("policy reload refused, keeping %s: %s", self.admission.policy.name, e)
-            return
-        self.telemetry.policy_reload(applied=True)
+        """SIGHUP. Logged, recorded and counted by the policy source, like an upload."""
+        self.policy_source.reload_file()
 
     def apply_policy(self, loaded: LoadedPolicy) -> None:
         """Swap the policy; a tokenizer that fails to load refuses the whole policy (raises PolicyError)."""
@@ -231,7 +221,6 @@ class SidecarApp:
             self.scraper.interval_s = loaded.policy.engine.poll_interval_s
         if self.gpu_poller is not None:
             self.gpu_poller.interval_s = loaded.policy.gpu.poll_interval_s
-        log.info("policy %s (%s) in force", loaded.policy.name, loaded.sha256[:12])
 
 
 def _round(v: float | None) -> float | None:

@@ -21,7 +21,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from sidecar.yamlconf import ConfigError, load_model, read_text
 
-
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
 _DECIMAL = {"k", "kb", "m", "mb", "g", "gb"}

@@ -107,7 +107,9 @@ def summarize(
             if policy.vram.max_transient_bytes is None
             else "vram.max_transient_bytes"
         )
-        limits.append(PromptLimit("transient", n, f"projected prefill transient <= {format_size(cap)}: {how}"))
+        limits.append(
+            PromptLimit("transient", n, f"projected prefill transient <= {format_size(cap)}: {how}")
+        )
     else:
         limits.append(
             PromptLimit(
@@ -118,7 +120,9 @@ def summarize(
         )
     if pool is not None:
         room = pool - policy.kv.reserve_tokens
-        limits.append(PromptLimit("kv_pool", max(0, room), f"KV pool {pool:,} - reserve {policy.kv.reserve_tokens:,}"))
+        limits.append(
+            PromptLimit("kv_pool", max(0, room), f"KV pool {pool:,} - reserve {policy.kv.reserve_tokens:,}")
+        )
     m = policy.mamba
     if m is not None and slots is not None:
         room = slots - m.reserve_slots - m.slots_per_request
@@ -192,7 +196,9 @@ def _on_stale(policy: Policy) -> dict[str, str]:
     elif not g.required:
         out["gpu"] = "optional: without a GPU source the VRAM constraint is off"
     else:
-        out["gpu"] = f"older than {g.max_age_s:g} s (polled every {g.poll_interval_s:g} s): {_blind(g, policy)}"
+        out["gpu"] = (
+            f"older than {g.max_age_s:g} s (polled every {g.poll_interval_s:g} s): {_blind(g, policy)}"
+        )
     return out
 
 
@@ -203,13 +209,17 @@ def render(summary: PolicySummary) -> list[str]:
     if s.max_prompt_tokens is None:
         lines.append("  largest prompt it can ever admit: no limit of its own")
     else:
-        lines.append(f"  largest prompt it can ever admit: {s.max_prompt_tokens:,} tokens (set by {s.limited_by})")
+        lines.append(
+            f"  largest prompt it can ever admit: {s.max_prompt_tokens:,} tokens (set by {s.limited_by})"
+        )
     for lim in s.prompt_limits:
         n = "no limit" if lim.max_prompt_tokens is None else f"{lim.max_prompt_tokens:,} tokens"
         lines.append(f"    by {lim.by + ':':<12} {n:>16}  ({lim.why})")
     lines.append(f"  projected prefill transient (cold prompt, headroom: {s.headroom}):")
     for p in s.projections:
-        lines.append(f"    {_tokens(p.prompt_tokens):>5} tokens: {format_size(p.projected_bytes):>10}  {p.note}")
+        lines.append(
+            f"    {_tokens(p.prompt_tokens):>5} tokens: {format_size(p.projected_bytes):>10}  {p.note}"
+        )
     lines.append(
         f"  queues: engine queue <= {s.engine_queue_max_requests} requests, pending prefill <= "
         f"{s.pending_prefill_max_tokens:,} tokens, hold queue <= {s.hold_max_held} requests for "
