@@ -252,3 +252,32 @@ def test_a_neighbour_growing_on_the_card_is_taken_out_of_the_budget() -> None:
     assert gated["decisions"].get("hold/vram_headroom", 0) >= 1
     held = [r for r in gated["requests_detail"] if r["held_s"] > 0]
     assert held and all(r["outcome"] == "completed" for r in held)
+
+
+def test_outage_scenario_dies_in_the_incidents_state() -> None:
+    """Ungated, the outage scenario crashes where the incident did (evidence I4, I5; free memory: D11)."""
+    from sidecar.sim.profiles import MiB
+    from sidecar.sim.replay import Driver
+
+    sc = load_scenario(ROOT / "scenarios" / "maxq-outage-burst.yaml")
+    driver = Driver(sc, get_profile(sc.profile), None, sc.seed)
+    driver.run()
+    crash = driver.engine.crashes[0]
+    assert crash.requested_bytes == 560 * MiB and "out of memory" in crash.reason
+    live = crash.live
+    assert (live.num_running_reqs, live.num_queue_reqs) == (1, 14)
+    assert live.pending_prefill_tokens == pytest.approx(1_485_849, rel=0.05)
+    assert live.token_usage == 0.73 and live.mamba_usage == pytest.approx(0.06)
+    assert live.kv_available_tokens > 100_000  # the pool was not full
+
+
+def test_sustained_rounds_take_as_long_as_measured() -> None:
+    """10 rounds of 4 x ~240K, 8,192 output tokens: 93-107 s a round (evidence M5)."""
+    result = replay(ROOT / "scenarios" / "sustained-rounds.yaml", False)
+    rounds: dict[str, list[dict]] = {}
+    for r in result["requests_detail"]:
+        rounds.setdefault(r["rid"].split("-")[0], []).append(r)
+    assert len(rounds) == 10
+    for recs in rounds.values():
+        took = max(r["end"] for r in recs) - min(r["arrival"] for r in recs)
+        assert 93 <= took <= 107, took

@@ -41,10 +41,12 @@ Scheduler (after SGLang 0.5.x, simplified):
   ``/v1/loads`` is refreshed after each prefill batch, every 15 decode steps, and when idle.
 
 What the model does not reproduce (incident figures, docs/evidence.md): with smoothly growing transients the
-outage crash happens on the 560 MiB gather of the chunk ending at 286,720 tokens, with 528 MiB free
-(the incident saw 280.94 MiB free, evidence I4: something allocated ~250 MiB between the last successful chunk and the
-failure that the incident report does not name); the old build's lone 500K peak is ~200 MiB below the measured
-97,237 MiB (evidence M2) because the measured gather coefficient (evidence M1) (1,024 MiB at 524,288 tokens) is kept as given.
+outage crash happens on the 560 MiB gather of the chunk ending at 286,720 tokens, with 528 MiB free (the
+incident saw 280.94 MiB free, evidence I4; why the model cannot, evidence D11 and the ``_MAXQ_RESERVED``
+comment in ``profiles.py``); the old build's lone 500K peak is ~200 MiB below the measured 97,237 MiB
+(evidence M2) because the measured gather coefficient (evidence M1: 1,024 MiB at 524,288 tokens) is kept
+as given; the sustained cell's pool peaks at 73 % instead of 57 % (evidence M5): two ~240K requests run
+together here, and 57 % is less than two of them hold.
 """
 
 from __future__ import annotations

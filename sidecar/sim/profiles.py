@@ -227,8 +227,15 @@ def _residual_weights(
 _MAXQ_TOTAL = 97_887 * MiB  # evidence I1: "RTX PRO 6000 Blackwell Max-Q, 97,887 MiB"
 _MAXQ_OTHER = 676 * MiB  # evidence I3: "another process on the card held 676 MiB"
 # Derived: capacity - process (93.92 GiB) - other (676 MiB) - the model's free memory at the outage
-# crash (528 MiB, see maxq-old). The incident's own numbers (evidence I1, I3, I4) leave 756 MiB with 280.94 MiB free; the
-# difference is the one figure this smooth model cannot reproduce (see the engine module docstring).
+# crash (528 MiB, see maxq-old). Why the model shows 528 MiB free at the failed 560 MiB gather and not the
+# incident's 280.94 MiB (evidence I4, D11): the incident's four figures (I1, I3, I4) leave 756 MiB to the
+# driver; with transients that depend only on the chunk and its context (D1, D2), the chunk that ended at
+# 278,528 tokens needed 96 + 727 + 544 = 1,366 MiB and succeeded, and the failing chunk held 96 + 748 =
+# 844 MiB before its gather, so at least 1,366 - 844 = 522 MiB was free when the gather failed. Seeing
+# 280.94 MiB needs >= 241 MiB allocated between the two chunks by something the incident report does not
+# name (the neighbour growing, allocator fragmentation, a workspace growing). The profile keeps the
+# 93.92 GiB process figure and the 676 MiB neighbour; adding an unnamed ~247 MiB allocation at that
+# instant would fit the figure, not the model.
 _MAXQ_RESERVED = 509 * MiB
 _MAXQ_CONTEXT = 560 * MiB  # assumed, calibrate: CUDA context + cuBLAS/NCCL workspaces (~0.5 GiB on H200)
 _MAXQ_GRAPHS = 552 * MiB  # assumed, calibrate: leaves (1 - 0.98) of start memory minus graphs = idle free
@@ -251,7 +258,12 @@ _UNKNOWN_EXTRA = 1_248 * MiB
 # round) and prefix-loss TTFTs (evidence M4: 22.9 s / 41.1 s cold) put cold prefill at roughly 10-20K tokens/s.
 _MAXQ_PREFILL_TPS = 24_000.0
 _MAXQ_PREFILL_HALF = 500_000.0
-_MAXQ_DECODE_TPS = 330.0
+# Calibrated on the sustained cell (evidence M5, D10): the 689,728-token pool holds two ~240K requests at
+# a time, so a round is two pairs of (~480K prefill tokens, ~25 s here, then 8,192 decode steps together);
+# 93-107 s a round leaves ~3.1 ms a decode step: 0.5 ms of step overhead (graph launch, sampling) plus
+# 1 / 385 s. (With 2 ms + 1 / 330 s, rounds took 130-134 s.)
+_MAXQ_DECODE_TPS = 385.0
+_MAXQ_STEP_OVERHEAD_S = 0.0005
 _QWEN3_NEXT_NAME = "Qwen/Qwen3-Next-80B-A3B-Instruct-NVFP4"  # evidence I8: Qwen3-Next family, NVFP4 weights
 
 _MAXQ_OLD_POOL = 522_880  # evidence I2: "KV pool of 522,880 tokens"
@@ -297,6 +309,7 @@ MAXQ_OLD = LaneProfile(
     prefill_tokens_per_s=_MAXQ_PREFILL_TPS,
     prefill_half_speed_context=_MAXQ_PREFILL_HALF,
     decode_tokens_per_s=_MAXQ_DECODE_TPS,
+    step_overhead_s=_MAXQ_STEP_OVERHEAD_S,
     activation_bytes_per_token=_ACTIVATION_PER_TOKEN,
     context_bytes_per_token=_CONTEXT_PER_TOKEN,
     gather_bytes_per_token=_GATHER_PER_TOKEN,
@@ -345,6 +358,7 @@ MAXQ_BOUNDED = LaneProfile(
     prefill_tokens_per_s=_MAXQ_PREFILL_TPS,
     prefill_half_speed_context=_MAXQ_PREFILL_HALF,
     decode_tokens_per_s=_MAXQ_DECODE_TPS,
+    step_overhead_s=_MAXQ_STEP_OVERHEAD_S,
     activation_bytes_per_token=_ACTIVATION_PER_TOKEN,
     context_bytes_per_token=_CONTEXT_PER_TOKEN,
     gather_bytes_per_token=_GATHER_PER_TOKEN,
@@ -397,6 +411,7 @@ MAMBA_LANE = LaneProfile(
     prefill_tokens_per_s=_MAXQ_PREFILL_TPS,
     prefill_half_speed_context=_MAXQ_PREFILL_HALF,
     decode_tokens_per_s=_MAXQ_DECODE_TPS,
+    step_overhead_s=_MAXQ_STEP_OVERHEAD_S,
     activation_bytes_per_token=_ACTIVATION_PER_TOKEN,
     context_bytes_per_token=_CONTEXT_PER_TOKEN,
     gather_bytes_per_token=_GATHER_PER_TOKEN,
