@@ -15,8 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sidecar.cost import request_cost_of
-from sidecar.gate import headroom_bytes
+from sidecar.core.decide import headroom_bytes
+from sidecar.intake import demand_of
 from sidecar.policy_source import UploadRefused
 from sidecar.policy_summary import summarize
 from sidecar.proxy import decision_body
@@ -56,7 +56,7 @@ def state(app: SidecarApp) -> dict[str, Any]:
         "mode": "shadow" if a.shadow else "enforce",
         "gate_open": app.gate_open(),
         "draining": a.draining,
-        "headroom_bytes": headroom_bytes(a.policy, snap, ledger),
+        "headroom_bytes": headroom_bytes(a.rules, snap, ledger),
         "engine": {
             "running_requests": e.running_requests if e else None,
             "queue_requests": e.queue_requests if e else None,
@@ -173,13 +173,14 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
         except BadRequest as e:
             return _err(e.status, e.message, e.code)
         count = await app.counter.count(req)
-        cost = request_cost_of(a.policy, req, count, chunk=app._chunk_hint())
-        d = a.evaluate(cost)
-        out = decision_body(d, cost.prompt_tokens, cost.projected_bytes)
+        demand = demand_of(a.rules, req, count, now=app.clock(), chunk=app._chunk_hint())
+        d = a.evaluate(demand)
+        out = decision_body(d, demand.prompt_tokens, demand.projected_bytes)
         out |= {
             "count_method": count.method,
             "exact": count.exact,
-            "uncached_tokens": cost.uncached_tokens,
+            "uncached_tokens": demand.uncached_tokens,
+            "sequences": demand.sequences,
             "held_ahead": a.held,
             "policy": a.policy.name,
         }

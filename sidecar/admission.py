@@ -1,10 +1,12 @@
-"""The admission controller: the decision, the ledger and the hold queue, with no I/O and no asyncio.
+"""The admission controller: books and releases charges and orders the hold queue; no I/O, no asyncio.
 
-A request ``submit``s its cost and gets one of three things back: a :class:`Ticket` (admitted and
-charged, in the same synchronous call as the decision - no ``await`` can slip between check and charge),
-a :class:`Rejection`, or a :class:`Waiter` parked in the hold queue. Waiters are re-decided in queue
-order by :meth:`Admission.pump` whenever something that could let them in changes (new signals, a
-ledger release, a policy reload, a waiter leaving), and expired by :meth:`Admission.expire`.
+It decides nothing itself: every rule is in :func:`sidecar.core.decide`. A request ``submit``s its
+:class:`~sidecar.core.Demand` and gets one of three things back: a :class:`Ticket` (admitted and
+charged with the decision's charge, in the same synchronous call as the decision - no ``await`` can
+slip between check and charge), a :class:`Rejection`, or a :class:`Waiter` parked in the hold queue.
+Waiters are re-decided in queue order by :meth:`Admission.pump` whenever something that could let them
+in or time them out changes (new signals, a ledger release, a policy reload, a waiter leaving, a
+deadline), each told whose turn comes first (strict order is the decision's rule too).
 
 Every ticket ends exactly once (``finish``), every waiter ends exactly once (admitted, rejected or
 cancelled), and each end is reported to the observer as one outcome. The clock is a parameter
@@ -21,11 +23,14 @@ from enum import StrEnum
 from itertools import count
 from typing import Protocol
 
-from sidecar.cost import RequestCost, repriced
-from sidecar.gate import Action, Decision, Reason, decide, kv_tokens_needed, mamba_slots_needed, retry_after_s
-from sidecar.ledger import Ledger, LedgerEntry, LedgerTotals
+from sidecar.core.decide import Situation, decide
+from sidecar.core.decision import Action, Decision, Reason
+from sidecar.core.demand import Demand, reprice
+from sidecar.core.ledger import Ledger, LedgerTotals
+from sidecar.core.rules import Rules
+from sidecar.core.snapshot import Snapshot
+from sidecar.intake import rules_of
 from sidecar.policy import LoadedPolicy, Policy
-from sidecar.signals.snapshot import Snapshot
 
 log = logging.getLogger("sidecar.admission")
 
@@ -43,13 +48,13 @@ class Outcome(StrEnum):
 class Observer(Protocol):
     """Where decisions and outcomes go (metrics, the decision log). Must not block."""
 
-    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None: ...
+    def decision(self, d: Decision, demand: Demand, waited_s: float, ledger: LedgerTotals) -> None: ...
 
     def outcome(self, outcome: Outcome) -> None: ...
 
 
 class NullObserver:
-    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
+    def decision(self, d: Decision, demand: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         pass
 
     def outcome(self, outcome: Outcome) -> None:
@@ -63,9 +68,9 @@ class _Guarded:
     def __init__(self, inner: Observer) -> None:
         self.inner = inner
 
-    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
+    def decision(self, d: Decision, demand: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         try:
-            self.inner.decision(d, cost, waited_s, ledger)
+            self.inner.decision(d, demand, waited_s, ledger)
         except Exception:
             log.exception("observer failed on a decision; admission goes on")
 
@@ -82,7 +87,7 @@ class Ticket:
 
     _owner: Admission
     _key: int
-    cost: RequestCost
+    demand: Demand
     decision: Decision
     waited_s: float
     shadow_reject: Decision | None = None
@@ -113,14 +118,16 @@ class Rejection:
 
 @dataclass(slots=True, eq=False)
 class Waiter:
-    cost: RequestCost
-    enqueued_at: float
-    deadline: float
+    demand: Demand
     on_done: Callable[[Ticket | Rejection], None]
     sort_key: tuple[int, int] = (0, 0)
     last: Decision | None = None
     result: Ticket | Rejection | None = None
     done: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.demand.deadline
 
     def __lt__(self, other: Waiter) -> bool:
         return self.sort_key < other.sort_key
@@ -162,6 +169,7 @@ class Admission:
         observer: Observer | None = None,
     ) -> None:
         self.loaded = policy
+        self.rules: Rules = rules_of(policy.policy)
         self.clock = clock
         self.shadow = shadow
         self.observer: Observer = _Guarded(observer or NullObserver())
@@ -183,58 +191,44 @@ class Admission:
 
     def oldest_wait_s(self) -> float | None:
         now = self.clock()
-        return max((now - w.enqueued_at for w in self._queue.heap if not w.done), default=None)
+        return max((now - w.demand.arrived_at for w in self._queue.heap if not w.done), default=None)
 
-    def next_deadline(self) -> float | None:
-        return min((w.deadline for w in self._queue.heap if not w.done), default=None)
+    def situation(self, *, queued: bool = False, ahead: Reason | None = None) -> Situation:
+        """What the decision reads now, besides the request."""
+        return Situation(
+            self.rules,
+            self.snapshot,
+            self.ledger.totals,
+            self.clock(),
+            held=self.held,
+            queued=queued,
+            ahead=ahead,
+            draining=self.draining,
+        )
 
     # -- the request path -------------------------------------------------------------------------
 
-    def evaluate(self, cost: RequestCost) -> Decision:
+    def evaluate(self, demand: Demand) -> Decision:
         """What would happen to this request now, charging nothing (``/admission/explain``)."""
-        if self.draining:
-            return self._draining()
-        return decide(cost, self.snapshot, self.ledger.totals, self.policy, self.clock(), held=self.held)
+        return decide(demand, self.situation(ahead=self._ahead_of(self._sort_key(demand, advance=False))))
 
     def submit(
-        self, cost: RequestCost, on_done: Callable[[Ticket | Rejection], None]
+        self, demand: Demand, on_done: Callable[[Ticket | Rejection], None]
     ) -> Ticket | Rejection | Waiter:
         """Decide and, when admitted, charge - in one synchronous step."""
-        now = self.clock()
-        if self.draining:
-            return self._reject(self._draining(), cost, 0.0)
-        d = decide(cost, self.snapshot, self.ledger.totals, self.policy, now, held=self.held)
-        sort_key = self._sort_key(cost)
-        head = self._queue.head()
-        if (
-            d.action is Action.ADMIT
-            and head is not None
-            and not self.policy.hold.backfill
-            and head.sort_key < sort_key
-        ):
-            # Strict order: there is room, but an earlier request is waiting for it. Wait behind it.
-            behind = head.last.reason if head.last else None
-            d = Decision(Action.HOLD, behind, None, d.headroom_bytes, d.checks)
-            if self.held >= self.policy.hold.max_held:
-                d = Decision(
-                    Action.REJECT,
-                    Reason.QUEUE_FULL,
-                    self.policy.hold.retry_after_max_s,
-                    d.headroom_bytes,
-                    d.checks,
-                )
+        sort_key = self._sort_key(demand)
+        d = decide(demand, self.situation(ahead=self._ahead_of(sort_key)))
         if self.shadow and d.action is not Action.ADMIT:
             # Shadow mode: record what enforcement would have done, then forward anyway.
-            self.observer.decision(d, cost, 0.0, self.ledger.totals)
-            return self._admit(
-                Decision(Action.ADMIT, None, None, d.headroom_bytes, d.checks), cost, now, 0.0, d
-            )
+            self.observer.decision(d, demand, 0.0, self.ledger.totals)
+            admit = Decision(Action.ADMIT, None, None, d.headroom_bytes, d.checks, d.charge)
+            return self._admit(admit, demand, 0.0, d)
         if d.action is Action.ADMIT:
-            return self._admit(d, cost, now, 0.0)
+            return self._admit(d, demand, 0.0)
         if d.action is Action.REJECT:
-            return self._reject(d, cost, 0.0)
-        self.observer.decision(d, cost, 0.0, self.ledger.totals)
-        w = Waiter(cost, now, now + self.policy.hold.max_wait_s, on_done, sort_key, d)
+            return self._reject(d, demand, 0.0)
+        self.observer.decision(d, demand, 0.0, self.ledger.totals)
+        w = Waiter(demand, on_done, sort_key, d)
         self._queue.push(w)
         return w
 
@@ -255,9 +249,10 @@ class Admission:
     def reload(self, policy: LoadedPolicy) -> None:
         """A new policy: held requests are priced again under it, then re-decided."""
         self.loaded = policy
+        self.rules = rules_of(policy.policy)
         for w in self._queue.heap:
             if not w.done:
-                w.cost = repriced(policy.policy, w.cost)
+                w.demand = reprice(self.rules, w.demand)
         self.pump()
 
     def drain(self) -> None:
@@ -265,8 +260,13 @@ class Admission:
         self.draining = True
         self.pump()
 
+    def expire(self) -> None:
+        """A hold deadline has passed: re-decide the queue (the decision times the request out)."""
+        self.pump()
+
     def pump(self) -> None:
-        """Re-decide waiters in queue order; in strict order, stop at the first that must keep waiting.
+        """Re-decide every waiter in queue order, each told the reason of the first one still waiting
+        ahead of it (the decision keeps strict order with it).
 
         Re-entrant calls (a waiter's callback finishing a ticket, say) are folded into one more pass.
         """
@@ -282,82 +282,44 @@ class Admission:
         finally:
             self._pumping = False
 
-    def expire(self) -> None:
-        """Reject waiters whose deadline has passed (``hold_timeout``); the shell calls this on a timer."""
-        now = self.clock()
-        for w in self._queue.ordered():
-            if w.done or w.deadline > now:
-                continue
-            waited = now - w.enqueued_at
-            d = decide(
-                w.cost, self.snapshot, self.ledger.totals, self.policy, now, held=self.held, queued=True
-            )
-            if d.action is Action.ADMIT:
-                self._finish_waiter(w, self._admit(d, w.cost, now, waited))
-                continue
-            retry = d.retry_after_s or self._retry_after(w.cost, Reason.HOLD_TIMEOUT)
-            d = Decision(Action.REJECT, Reason.HOLD_TIMEOUT, retry, d.headroom_bytes, d.checks)
-            self._finish_waiter(w, self._reject(d, w.cost, waited))
-        self.pump()
-
     # -- internals ---------------------------------------------------------------------------------
 
     def _pump_once(self) -> None:
         if not self._queue.live:
             return
-        now = self.clock()
+        ahead: Reason | None = None
         for w in self._queue.ordered():
             if w.done:
                 continue
-            waited = now - w.enqueued_at
-            if self.draining:
-                d = self._draining()
-            else:
-                d = decide(
-                    w.cost,
-                    self.snapshot,
-                    self.ledger.totals,
-                    self.policy,
-                    now,
-                    held=self.held,
-                    queued=True,
-                    waited_s=waited,
-                )
+            d = decide(w.demand, self.situation(queued=True, ahead=ahead))
             w.last = d
+            waited = self.clock() - w.demand.arrived_at
             if d.action is Action.ADMIT:
-                self._finish_waiter(w, self._admit(d, w.cost, now, waited))
+                self._finish_waiter(w, self._admit(d, w.demand, waited))
             elif d.action is Action.REJECT:
-                self._finish_waiter(w, self._reject(d, w.cost, waited))
-            elif not self.policy.hold.backfill:
-                break
+                self._finish_waiter(w, self._reject(d, w.demand, waited))
+            elif ahead is None:
+                ahead = d.reason
 
-    def _draining(self) -> Decision:
-        return Decision(Action.REJECT, Reason.DRAINING, self.policy.hold.retry_after_min_s)
+    def _ahead_of(self, sort_key: tuple[int, int]) -> Reason | None:
+        """The reason the first waiter ahead of a request with this key is waiting, if there is one."""
+        head = self._queue.head()
+        if head is None or not head.sort_key < sort_key or head.last is None:
+            return None
+        return head.last.reason
 
-    def _retry_after(self, cost: RequestCost, reason: Reason) -> int:
-        return retry_after_s(self.policy, self.snapshot, self.ledger.totals, cost, reason)
+    def _sort_key(self, demand: Demand, *, advance: bool = True) -> tuple[int, int]:
+        prio = demand.priority if self.rules.hold.low_priority_values_first else -demand.priority
+        return (prio, next(self._seq) if advance else 1 << 62)
 
-    def _sort_key(self, cost: RequestCost) -> tuple[int, int]:
-        prio = cost.priority if self.policy.hold.low_priority_values_first else -cost.priority
-        return (prio, next(self._seq))
-
-    def _admit(
-        self, d: Decision, cost: RequestCost, now: float, waited: float, shadow_of: Decision | None = None
-    ) -> Ticket:
-        entry = LedgerEntry(
-            prefill_tokens=cost.uncached_tokens,
-            kv_tokens=kv_tokens_needed(self.policy, cost),
-            projected_bytes=cost.projected_bytes,
-            mamba_slots=mamba_slots_needed(self.policy, self.snapshot, cost),
-            charged_at=now,
-        )
-        key = self.ledger.charge(entry)
+    def _admit(self, d: Decision, demand: Demand, waited: float, shadow_of: Decision | None = None) -> Ticket:
+        key = self.ledger.charge(d.charge)
         if shadow_of is None:
-            self.observer.decision(d, cost, waited, self.ledger.totals)
-        return Ticket(self, key, cost, d, waited, shadow_of)
+            self.observer.decision(d, demand, waited, self.ledger.totals)
+        return Ticket(self, key, demand, d, waited, shadow_of)
 
-    def _reject(self, d: Decision, cost: RequestCost, waited: float) -> Rejection:
-        self.observer.decision(d, cost, waited, self.ledger.totals)
+    def _reject(self, d: Decision, demand: Demand, waited: float) -> Rejection:
+        self.observer.decision(d, demand, waited, self.ledger.totals)
         self.observer.outcome(Outcome.REJECTED)
         return Rejection(d, waited)
 

@@ -21,14 +21,14 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admin import ADMIN_PATHS, build_admin
 from sidecar.admission import Admission
-from sidecar.cost import request_cost
+from sidecar.core import demand
+from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
 from sidecar.observe import StateCollector, Telemetry, register_process_metrics
 from sidecar.policy import LoadedPolicy, PolicyError
 from sidecar.policy_source import PolicySource
 from sidecar.proxy import Proxy, Receive, Scope, Send, make_session
 from sidecar.signals.engine import EngineScraper, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
-from sidecar.signals.snapshot import EngineSignals, GpuSignals, SourceHealth
 from sidecar.tokens import CounterConfig, PromptCounter, TokenizerLoadError
 
 log = logging.getLogger("sidecar")
@@ -168,8 +168,8 @@ class SidecarApp:
         r.raise_for_status()
         return int(r.json()["count"])
 
-    def _counter_config(self) -> CounterConfig:
-        return CounterConfig(**self.admission.policy.prompt.model_dump())
+    def _counter_config(self, loaded: LoadedPolicy | None = None) -> CounterConfig:
+        return CounterConfig(**(loaded or self.admission.loaded).policy.prompt.model_dump())
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -177,7 +177,7 @@ class SidecarApp:
         """Would a minimal request be admitted right now (and nobody is waiting ahead of it)?"""
         if self.admission.held:
             return False
-        probe = request_cost(self.admission.policy, 1)
+        probe = demand.build(self.admission.rules, 1, arrived_at=self.clock())
         return self.admission.evaluate(probe).admitted
 
     def _log_context(self) -> dict[str, Any]:
@@ -208,12 +208,9 @@ class SidecarApp:
 
     def apply_policy(self, loaded: LoadedPolicy) -> None:
         """Swap the policy; a tokenizer that fails to load refuses the whole policy (raises PolicyError)."""
-        previous = self.admission.loaded
-        self.admission.loaded = loaded
         try:
-            self.counter.config = self._counter_config()
+            self.counter.config = self._counter_config(loaded)
         except TokenizerLoadError as e:
-            self.admission.loaded = previous
             raise PolicyError(loaded.path or "<policy>", [f"prompt.tokenizer_path: {e}"]) from None
         self.admission.reload(loaded)
         # Pollers read their interval before each sleep: the new cadence applies from the next poll.

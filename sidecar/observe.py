@@ -31,9 +31,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from sidecar.admission import Outcome
-from sidecar.cost import RequestCost
-from sidecar.gate import Action, Decision, Reason, headroom_bytes
-from sidecar.ledger import LedgerTotals
+from sidecar.core.decide import headroom_bytes
+from sidecar.core.decision import Action, Decision, Reason
+from sidecar.core.demand import Demand
+from sidecar.core.ledger import LedgerTotals
 
 if TYPE_CHECKING:
     from sidecar.admission import Admission
@@ -171,7 +172,7 @@ class Telemetry:
         self._writer = LineWriter(decision_log) if decision_log is not None else None
         self.context: Callable[[], dict[str, Any]] = dict
 
-    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
+    def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         if d.action is Action.HOLD:
             # A hold always names what it waits for; a reason-less hold would be a core bug, counted
             # under the strict-order wait it most likely is rather than dropped.
@@ -232,7 +233,7 @@ def sidecar_version() -> str:
 
 
 def decision_record(
-    d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
+    d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
 ) -> str:
     """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back."""
     rec: dict[str, Any] = {
@@ -310,7 +311,7 @@ class StateCollector(Collector):
             gauge(
                 "headroom_bytes",
                 "GPU free minus reserve minus ledger projections",
-                headroom_bytes(a.policy, snap, ledger),
+                headroom_bytes(a.rules, snap, ledger),
             ),
             gauge(
                 "projected_bytes",

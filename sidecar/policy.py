@@ -13,12 +13,13 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from sidecar.core.decision import Action
+from sidecar.core.rules import ExceedAction, HeadroomSource
 from sidecar.yamlconf import ConfigError, load_model, read_text
 
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -71,19 +72,6 @@ def format_size(n: float | None) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
 
 
-class StaleAction(StrEnum):
-    """What to do when a signal is too old to trust. There is no silent default: the policy says."""
-
-    HOLD = "hold"
-    REJECT = "reject"
-    ADMIT = "admit"
-
-
-class ExceedAction(StrEnum):
-    HOLD = "hold"
-    REJECT = "reject"
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -131,24 +119,9 @@ class Cost(_Strict):
     margin: float = Field(default=1.0, ge=1.0)
 
 
-class HeadroomSource(StrEnum):
-    """Where the VRAM headroom comes from.
-
-    ``nvml_free``: live free memory from the GPU source. Exact for an engine that returns freed
-    memory to the driver; for a PyTorch engine it is a low-water mark, because the caching allocator
-    keeps freed transients reserved (on an H200, one 500K prefill left NVML free ~100 MiB of an idle
-    3.2 GiB although its live transients peaked at 1.4 GiB), and the gate would then hold everything.
-    ``idle_budget``: the lane's measured idle free memory (``idle_free_bytes``), minus the reserve,
-    minus what the ledger's prefills will allocate, minus what other processes on the card hold beyond
-    ``other_processes_bytes`` (read live from NVML's per-process list when the source can tell). Right
-    for caching engines. NVML is still read, exported and shown in both modes.
-    """
-
-    NVML_FREE = "nvml_free"
-    IDLE_BUDGET = "idle_budget"
-
-
 class Vram(_Strict):
+    """Free VRAM against what prefills will allocate (``HeadroomSource`` says which free memory)."""
+
     headroom: HeadroomSource = HeadroomSource.NVML_FREE
     # NVML free with the engine idle and warmed up (CUDA graphs captured), measured on the lane.
     idle_free_bytes: Size | None = None
@@ -166,17 +139,6 @@ class Vram(_Strict):
         if self.headroom is HeadroomSource.IDLE_BUDGET and self.idle_free_bytes is None:
             raise ValueError("headroom: idle_budget needs idle_free_bytes (NVML free, engine idle and warm)")
         return self
-
-    def transient_cap(self) -> int | None:
-        if self.max_transient_bytes is not None:
-            return self.max_transient_bytes
-        if self.idle_free_bytes is not None:
-            return self.idle_free_bytes - self.reserve_bytes
-        return None
-
-    @property
-    def uses_gpu_signal(self) -> bool:
-        return self.headroom is HeadroomSource.NVML_FREE
 
 
 class Kv(_Strict):
@@ -221,7 +183,8 @@ class PendingPrefill(_Strict):
 class SignalPolicy(_Strict):
     poll_interval_s: float = Field(gt=0)
     max_age_s: float = Field(gt=0)
-    on_stale: StaleAction
+    # hold, reject or admit: there is no silent default.
+    on_stale: Action
     # After this many failed reads in a row the engine is reported unavailable, not just stale.
     unavailable_after_failures: int = Field(default=3, ge=1)
 

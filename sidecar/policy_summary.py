@@ -5,7 +5,7 @@ prompt this lane will ever take (and which limit says so), how big a 256K prefil
 how deep the queues may get, what happens when a signal goes quiet. ``check-policy`` prints this and
 ``/admission/state`` serves it under ``policy``; both come from :func:`summarize`, so they cannot differ.
 
-Pure: the projection is the gate's own (``cost.project_bytes``), the limits are the gate's unfit rules
+Pure: the projection is the gate's own (``core.cost.project_bytes``), the limits are the gate's unfit rules
 applied to the lane's constants (the engine's reported values when the caller has them).
 """
 
@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from sidecar.cost import project_bytes
-from sidecar.policy import HeadroomSource, Policy, SignalPolicy, StaleAction, format_size
+from sidecar.core.cost import project_bytes, shape
+from sidecar.core.decision import Action
+from sidecar.intake import rules_of
+from sidecar.policy import HeadroomSource, Policy, SignalPolicy, format_size
 
 # Prompt lengths an SRE asks about: the long-context tiers people actually configure.
 PROBE_TOKENS = (65_536, 131_072, 262_144, 500_000)
@@ -86,10 +88,11 @@ def summarize(
     pool = kv_pool_tokens or lane.kv_pool_tokens
     slots = mamba_slots or lane.mamba_slots
     chunk = chunk or lane.chunked_prefill_size
-    cap = policy.vram.transient_cap()
+    rules = rules_of(policy)
+    cap = rules.vram.transient_cap()
 
     def transient(n: int) -> int:
-        return project_bytes(policy, n, n, chunk)
+        return project_bytes(rules.cost, shape(n, n, chunk))
 
     # A prompt must leave room for at least one new token inside the context (gate: prompt >= context
     # is unfit), so the context alone allows context - 1.
@@ -174,9 +177,9 @@ def summarize(
 
 def _blind(sp: SignalPolicy, policy: Policy) -> str:
     return {
-        StaleAction.HOLD: f"requests are held, up to {policy.hold.max_wait_s:g} s, then 503 hold_timeout",
-        StaleAction.REJECT: "requests are rejected at once with 503 signals_stale",
-        StaleAction.ADMIT: "requests are admitted blind (that signal's constraints pass)",
+        Action.HOLD: f"requests are held, up to {policy.hold.max_wait_s:g} s, then 503 hold_timeout",
+        Action.REJECT: "requests are rejected at once with 503 signals_stale",
+        Action.ADMIT: "requests are admitted blind (that signal's constraints pass)",
     }[sp.on_stale]
 
 

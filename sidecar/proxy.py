@@ -27,8 +27,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
-from sidecar.cost import request_cost_of
-from sidecar.gate import Decision
+from sidecar.core.decision import Decision
+from sidecar.core.demand import Demand
+from sidecar.intake import demand_of
 from sidecar.requests import BadRequest, GenerationRequest, parse_generation
 from sidecar.tokens import PromptCounter
 
@@ -223,12 +224,19 @@ class Proxy:
         except asyncio.CancelledError:
             self.admission.observer.outcome(Outcome.CLIENT_GONE)
             raise
-        cost = request_cost_of(
-            policy, req, count, chunk=self.chunk_hint(), request_id=req.rid or f"sc-{next(self._ids)}"
+        demand = demand_of(
+            self.admission.rules,
+            req,
+            count,
+            now=self.admission.clock(),
+            chunk=self.chunk_hint(),
+            request_id=req.rid or f"sc-{next(self._ids)}",
         )
-        result = await self._acquire(cost)
+        result = await self._acquire(demand)
         if isinstance(result, Rejection):
-            await send_response(send, rejection_response(result, cost.prompt_tokens, cost.projected_bytes))
+            await send_response(
+                send, rejection_response(result, demand.prompt_tokens, demand.projected_bytes)
+            )
             return
         ticket = result
         extra = [
@@ -241,7 +249,7 @@ class Proxy:
             extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
         await self._forward(scope, body, send, ticket, extra, req)
 
-    async def _acquire(self, cost) -> Ticket | Rejection:  # type: ignore[no-untyped-def]
+    async def _acquire(self, demand: Demand) -> Ticket | Rejection:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Ticket | Rejection] = loop.create_future()
 
@@ -249,7 +257,7 @@ class Proxy:
             if not fut.done():
                 fut.set_result(r)
 
-        res = self.admission.submit(cost, on_done)
+        res = self.admission.submit(demand, on_done)
         if not isinstance(res, Waiter):
             return res
         timer = loop.call_at(res.deadline, self.admission.expire)

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.policy import LoadedPolicy, load_policy_file, load_policy_text
-from sidecar.signals.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
+from sidecar.admission import Admission
+from sidecar.core import demand
+from sidecar.core.demand import Demand
+from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
+from sidecar.intake import rules_of
+from sidecar.policy import LoadedPolicy, Policy, load_policy_file, load_policy_text
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ROOT / "policies"
@@ -90,6 +94,15 @@ def snapshot(
     return Snapshot(
         engine=e, gpu=gpu, engine_health=SourceHealth(last_ok_at=now), gpu_health=SourceHealth(last_ok_at=now)
     )
+
+
+def ask(target: Admission | Policy, prompt_tokens: int, *, now: float | None = None, **kw: object) -> Demand:
+    """A request's demand, priced by an Admission's rules at its clock's now, or by a policy at ``now``."""
+    if isinstance(target, Admission):
+        rules, at = target.rules, target.clock() if now is None else now
+    else:
+        rules, at = rules_of(target), 0.0 if now is None else now
+    return demand.build(rules, prompt_tokens, arrived_at=at, **kw)  # type: ignore[arg-type]
 
 
 def with_engine(snap: Snapshot, **changes: object) -> Snapshot:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
-from sidecar.cost import RequestCost, request_cost
-from sidecar.gate import Action, Decision, Reason
-from sidecar.ledger import LedgerTotals
-from tests.conftest import MIB, ManualClock, small_policy, snapshot
+from sidecar.core.decision import Action, Decision, Reason
+from sidecar.core.demand import Demand
+from sidecar.core.ledger import LedgerTotals
+from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot
 
 
 class Recorder:
@@ -18,7 +18,7 @@ class Recorder:
         self.decisions: list[tuple[Action, Reason | None]] = []
         self.outcomes: Counter[Outcome] = Counter()
 
-    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
+    def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         self.decisions.append((d.action, d.reason))
 
     def outcome(self, outcome: Outcome) -> None:
@@ -32,8 +32,8 @@ def make(clock: ManualClock, free_mib: int = 10, shadow: bool = False, **overrid
     return a, rec
 
 
-def cost_1mib(a: Admission, priority: int = 0) -> RequestCost:
-    return request_cost(a.policy, 1000, priority=priority)  # one 1000-token chunk at 1 KiB/token = 1000 KiB
+def cost_1mib(a: Admission, priority: int = 0) -> Demand:
+    return ask(a, 1000, priority=priority)  # one 1000-token chunk at 1 KiB/token = 1000 KiB
 
 
 def test_burst_admits_exactly_n(clock: ManualClock) -> None:
@@ -66,21 +66,21 @@ def test_release_lets_the_next_waiter_in_and_ledger_returns_to_zero(clock: Manua
 
 def test_strict_order_newcomer_waits_behind_held_request(clock: ManualClock) -> None:
     a, _ = make(clock, free_mib=1)
-    big = request_cost(a.policy, 1000)
+    big = ask(a, 1000)
     t = a.submit(big, lambda r: None)
     assert isinstance(t, Ticket)
     waiting_big = a.submit(big, lambda r: None)
     assert isinstance(waiting_big, Waiter)
     # A small request would fit in what is left, but an earlier request is waiting: no overtaking.
-    tiny = request_cost(a.policy, 10)
+    tiny = ask(a, 10)
     assert isinstance(a.submit(tiny, lambda r: None), Waiter)
 
 
 def test_backfill_lets_small_requests_pass(clock: ManualClock) -> None:
     a, _ = make(clock, free_mib=1, hold__backfill=True)
-    a.submit(request_cost(a.policy, 1000), lambda r: None)
-    assert isinstance(a.submit(request_cost(a.policy, 1000), lambda r: None), Waiter)
-    assert isinstance(a.submit(request_cost(a.policy, 10), lambda r: None), Ticket)
+    a.submit(ask(a, 1000), lambda r: None)
+    assert isinstance(a.submit(ask(a, 1000), lambda r: None), Waiter)
+    assert isinstance(a.submit(ask(a, 10), lambda r: None), Ticket)
 
 
 def test_priority_orders_the_queue(clock: ManualClock) -> None:

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.cost import request_cost
-from sidecar.gate import Action, Reason, decide
-from sidecar.ledger import LedgerTotals
-from sidecar.policy import HeadroomSource
-from sidecar.signals.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
-from tests.conftest import MIB, maxq, small_policy, snapshot, with_engine
+from sidecar.core.decide import Situation, decide
+from sidecar.core.decision import Action, Decision, Reason
+from sidecar.core.demand import Demand
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
+from sidecar.intake import rules_of
+from sidecar.policy import HeadroomSource, Policy
+from tests.conftest import MIB, ask, maxq, small_policy, snapshot, with_engine
 
 NOW = 5000.0
 CARD = 97887 * MIB  # RTX PRO 6000 Blackwell Max-Q capacity (evidence I1)
+
+
+def at_now(policy: Policy, prompt_tokens: int, **kw: object) -> Demand:
+    """A request arriving at NOW."""
+    return ask(policy, prompt_tokens, now=NOW, **kw)
+
+
+def judge(
+    d: Demand, snap: Snapshot, ledger: LedgerTotals, policy: Policy, now: float = NOW, **queue: object
+) -> Decision:
+    return decide(d, Situation(rules_of(policy), snap, ledger, now, **queue))  # type: ignore[arg-type]
 
 
 def outage_snapshot() -> Snapshot:
@@ -90,15 +103,15 @@ def test_outage_state_against_maxq_policy(
 ) -> None:
     policy = maxq().policy if headroom == "budget" else maxq_on_live_nvml()
     snap = outage_snapshot() if state == "outage" else idle_snapshot()
-    cost = request_cost(policy, prompt_tokens, max_new_tokens=8192)
-    d = decide(cost, snap, LedgerTotals(), policy, NOW)
+    cost = at_now(policy, prompt_tokens, max_new_tokens=8192)
+    d = judge(cost, snap, LedgerTotals(), policy, NOW)
     assert (d.action, d.reason) == (action, reason)
 
 
 def test_outage_fails_every_constraint_the_incident_names() -> None:
     """VRAM decides (first in order), but explain must show queue and pending limits failing too."""
     policy = maxq_on_live_nvml()
-    d = decide(request_cost(policy, 200_000), outage_snapshot(), LedgerTotals(), policy, NOW)
+    d = judge(at_now(policy, 200_000), outage_snapshot(), LedgerTotals(), policy, NOW)
     failed = {c.name for c in d.checks if not c.ok}
     assert failed == {"vram_headroom", "kv_pool", "engine_queue", "pending_prefill_tokens"}
     vram = next(c for c in d.checks if c.name == "vram_headroom")
@@ -111,10 +124,10 @@ def test_idle_budget_charges_the_ledger_and_ignores_a_stale_gpu() -> None:
 
     policy = maxq().policy
     snap = replace(idle_snapshot(), gpu=None)  # never read: irrelevant in budget mode
-    cost = request_cost(policy, 150_000)
-    assert decide(cost, snap, LedgerTotals(), policy, NOW).admitted
-    busy = LedgerTotals(requests=1, prefill_tokens=150_000, projected_bytes=cost.projected_bytes)
-    d = decide(cost, snap, busy, policy, NOW)
+    cost = at_now(policy, 150_000)
+    assert judge(cost, snap, LedgerTotals(), policy, NOW).admitted
+    busy = LedgerTotals(requests=1, sequences=1, prefill_tokens=150_000, projected_bytes=cost.projected_bytes)
+    d = judge(cost, snap, busy, policy, NOW)
     assert (d.action, d.reason) == (Action.HOLD, Reason.VRAM_HEADROOM)
     assert d.headroom_bytes == 1372 * MIB - 128 * MIB - cost.projected_bytes
 
@@ -131,36 +144,38 @@ def test_mamba_lane_2_state_holds_for_slots_not_kv() -> None:
         mamba_available_slots=0,
         kv_available_tokens=282000,
     )
-    d = decide(request_cost(policy, 140_000), snap, LedgerTotals(), policy, NOW)
+    d = judge(at_now(policy, 140_000), snap, LedgerTotals(), policy, NOW)
     assert (d.action, d.reason) == (Action.HOLD, Reason.MAMBA_SLOTS)
 
 
 def test_ledger_counts_what_the_gauges_do_not_show_yet() -> None:
     policy = small_policy().policy
     snap = snapshot(NOW, free_bytes=10 * MIB)  # room for ten 1000-token chunks of 1 KiB/token
-    cost = request_cost(policy, 1000)
-    assert decide(cost, snap, LedgerTotals(requests=9, projected_bytes=9 * MIB), policy, NOW).admitted
-    d = decide(cost, snap, LedgerTotals(requests=10, projected_bytes=10 * MIB), policy, NOW)
+    cost = at_now(policy, 1000)
+    assert judge(
+        cost, snap, LedgerTotals(requests=9, sequences=9, projected_bytes=9 * MIB), policy, NOW
+    ).admitted
+    d = judge(cost, snap, LedgerTotals(requests=10, sequences=10, projected_bytes=10 * MIB), policy, NOW)
     assert (d.action, d.reason) == (Action.HOLD, Reason.VRAM_HEADROOM)
 
 
 def test_engine_queue_uses_the_larger_of_gauge_and_ledger() -> None:
     policy = small_policy(engine_queue__max_requests=2).policy
-    cost = request_cost(policy, 10)
+    cost = at_now(policy, 10)
     snap = snapshot(NOW)
-    assert decide(cost, snap, LedgerTotals(requests=1), policy, NOW).admitted
-    assert decide(cost, snap, LedgerTotals(requests=2), policy, NOW).reason is Reason.ENGINE_QUEUE
+    assert judge(cost, snap, LedgerTotals(requests=1, sequences=1), policy, NOW).admitted
+    assert judge(cost, snap, LedgerTotals(requests=2, sequences=2), policy, NOW).reason is Reason.ENGINE_QUEUE
     assert (
-        decide(cost, with_engine(snap, queue_requests=2), LedgerTotals(), policy, NOW).reason
+        judge(cost, with_engine(snap, queue_requests=2), LedgerTotals(), policy, NOW).reason
         is Reason.ENGINE_QUEUE
     )
 
 
 def test_pending_prefill_never_holds_a_request_alone() -> None:
     policy = small_policy(pending_prefill__max_tokens=5000).policy
-    big = request_cost(policy, 50_000)
-    assert decide(big, snapshot(NOW), LedgerTotals(), policy, NOW).admitted
-    d = decide(big, snapshot(NOW), LedgerTotals(requests=1, prefill_tokens=10), policy, NOW)
+    big = at_now(policy, 50_000)
+    assert judge(big, snapshot(NOW), LedgerTotals(), policy, NOW).admitted
+    d = judge(big, snapshot(NOW), LedgerTotals(requests=1, sequences=1, prefill_tokens=10), policy, NOW)
     assert d.reason is Reason.PENDING_PREFILL_TOKENS
 
 
@@ -178,7 +193,7 @@ def test_stale_engine_follows_the_policy(on_stale: str, action: Action, reason: 
     fresh_gpu = snapshot(NOW).gpu
     from dataclasses import replace
 
-    d = decide(request_cost(policy, 10), replace(snap, gpu=fresh_gpu), LedgerTotals(), policy, NOW)
+    d = judge(at_now(policy, 10), replace(snap, gpu=fresh_gpu), LedgerTotals(), policy, NOW)
     assert (d.action, d.reason) == (action, reason)
 
 
@@ -187,16 +202,16 @@ def test_admitting_blind_on_one_signal_still_checks_the_other() -> None:
 
     policy = small_policy(engine__on_stale="admit", gpu__on_stale="hold").policy
     snap = snapshot(NOW - 10)  # both stale: the engine's staleness is waved through, the GPU's is not
-    d = decide(request_cost(policy, 10), snap, LedgerTotals(), policy, NOW)
+    d = judge(at_now(policy, 10), snap, LedgerTotals(), policy, NOW)
     assert (d.action, d.reason) == (Action.HOLD, Reason.SIGNALS_STALE)
     assert "gpu signals" in d.checks[0].note
     fresh_gpu = replace(snap, gpu=snapshot(NOW).gpu)
-    assert decide(request_cost(policy, 10), fresh_gpu, LedgerTotals(), policy, NOW).admitted
+    assert judge(at_now(policy, 10), fresh_gpu, LedgerTotals(), policy, NOW).admitted
 
 
 def test_never_read_is_stale_not_zero() -> None:
     policy = small_policy().policy
-    d = decide(request_cost(policy, 10), Snapshot(), LedgerTotals(), policy, NOW)
+    d = judge(at_now(policy, 10), Snapshot(), LedgerTotals(), policy, NOW)
     assert (d.action, d.reason) == (Action.HOLD, Reason.SIGNALS_STALE)
     assert d.headroom_bytes is None
 
@@ -206,9 +221,9 @@ def test_unknown_gauges_are_not_zero() -> None:
     policy = small_policy(engine_queue__max_requests=1).policy
     snap = with_engine(snapshot(NOW), queue_requests=None, running_requests=None)
     # Unknown queue, empty ledger: the ledger alone decides, and it says there is room for one.
-    assert decide(request_cost(policy, 10), snap, LedgerTotals(), policy, NOW).admitted
+    assert judge(at_now(policy, 10), snap, LedgerTotals(), policy, NOW).admitted
     assert (
-        decide(request_cost(policy, 10), snap, LedgerTotals(requests=1), policy, NOW).reason
+        judge(at_now(policy, 10), snap, LedgerTotals(requests=1, sequences=1), policy, NOW).reason
         is Reason.ENGINE_QUEUE
     )
 
@@ -218,48 +233,49 @@ def test_engine_unavailable_rejects() -> None:
     from dataclasses import replace
 
     snap = replace(snapshot(NOW), engine_health=SourceHealth(NOW - 10, "connection refused", 3))
-    d = decide(request_cost(policy, 10), snap, LedgerTotals(), policy, NOW)
+    d = judge(at_now(policy, 10), snap, LedgerTotals(), policy, NOW)
     assert (d.action, d.reason) == (Action.REJECT, Reason.ENGINE_UNAVAILABLE)
     assert d.retry_after_s is not None and d.retry_after_s >= 1
 
 
 def test_gpu_not_required_runs_without_vram_constraint() -> None:
     policy = small_policy(gpu__required=False).policy
-    d = decide(request_cost(policy, 10), snapshot(NOW, free_bytes=None), LedgerTotals(), policy, NOW)
+    d = judge(at_now(policy, 10), snapshot(NOW, free_bytes=None), LedgerTotals(), policy, NOW)
     assert d.admitted
     assert next(c for c in d.checks if c.name == "vram_headroom").note == "no GPU signal"
 
 
 def test_queue_bounds_turn_holds_into_rejections() -> None:
     policy = small_policy(engine_queue__max_requests=1).policy
-    cost = request_cost(policy, 10)
-    busy = LedgerTotals(requests=1)
-    assert decide(cost, snapshot(NOW), busy, policy, NOW, held=10).reason is Reason.QUEUE_FULL
-    assert decide(cost, snapshot(NOW), busy, policy, NOW, held=10, queued=True).action is Action.HOLD
-    timed_out = decide(cost, snapshot(NOW), busy, policy, NOW, queued=True, waited_s=30)
+    cost = at_now(policy, 10)
+    busy = LedgerTotals(requests=1, sequences=1)
+    assert judge(cost, snapshot(NOW), busy, policy, NOW, held=10).reason is Reason.QUEUE_FULL
+    assert judge(cost, snapshot(NOW), busy, policy, NOW, held=10, queued=True).action is Action.HOLD
+    waited = ask(policy, 10, now=NOW - 30)
+    timed_out = judge(waited, snapshot(NOW), busy, policy, NOW, queued=True)
     assert (timed_out.action, timed_out.reason) == (Action.REJECT, Reason.HOLD_TIMEOUT)
 
 
 def test_retry_after_is_bounded_and_never_zero() -> None:
     policy = small_policy(engine_queue__max_requests=1).policy
     snap = with_engine(snapshot(NOW), pending_prefill_tokens=10_000_000)
-    d = decide(request_cost(policy, 10), snap, LedgerTotals(requests=1), policy, NOW, held=10)
+    d = judge(at_now(policy, 10), snap, LedgerTotals(requests=1, sequences=1), policy, NOW, held=10)
     assert d.retry_after_s == 60  # capped at retry_after_max_s
-    d = decide(request_cost(policy, 1), snapshot(NOW), LedgerTotals(requests=1), policy, NOW, held=10)
+    d = judge(at_now(policy, 1), snapshot(NOW), LedgerTotals(requests=1, sequences=1), policy, NOW, held=10)
     assert d.retry_after_s == 1  # floor, not 0
 
 
 def test_unfit_only_condemns_exact_counts_for_length() -> None:
     policy = small_policy().policy
-    estimate = request_cost(policy, 150_000, exact=False)
-    assert decide(estimate, snapshot(NOW), LedgerTotals(), policy, NOW).reason is not Reason.UNFIT_REQUEST
-    exact = request_cost(policy, 150_000)
-    assert decide(exact, snapshot(NOW), LedgerTotals(), policy, NOW).reason is Reason.UNFIT_REQUEST
+    estimate = at_now(policy, 150_000, exact=False)
+    assert judge(estimate, snapshot(NOW), LedgerTotals(), policy, NOW).reason is not Reason.UNFIT_REQUEST
+    exact = at_now(policy, 150_000)
+    assert judge(exact, snapshot(NOW), LedgerTotals(), policy, NOW).reason is Reason.UNFIT_REQUEST
 
 
 def test_projection_is_per_chunk_not_per_prompt() -> None:
     policy = maxq().policy
-    small, big = request_cost(policy, 8192), request_cost(policy, 400_000)
+    small, big = at_now(policy, 8192), at_now(policy, 400_000)
     # Both prefill one 8,192-token chunk at a time; only the context terms grow with the request.
     per_context = 2735 + 2048
     assert big.projected_bytes - small.projected_bytes == pytest.approx(
@@ -273,7 +289,7 @@ def test_gather_cap_bounds_the_bounded_build() -> None:
 
     bounded = load_policy_file(POLICIES / "maxq-qwen3next-bounded.yaml").policy
     old = maxq().policy
-    c_b, c_o = request_cost(bounded, 500_000), request_cost(old, 500_000)
+    c_b, c_o = at_now(bounded, 500_000), at_now(old, 500_000)
     assert c_o.projected_bytes - c_b.projected_bytes == pytest.approx(
         (2048 * 500_000 - 32 * MIB) * 1.1, rel=1e-6
     )
@@ -283,6 +299,6 @@ def test_gather_cap_bounds_the_bounded_build() -> None:
 
 def test_an_estimate_is_capped_at_the_context() -> None:
     policy = small_policy().policy  # context 100,000
-    estimate = request_cost(policy, 2_000_000, exact=False)
+    estimate = at_now(policy, 2_000_000, exact=False)
     assert estimate.prompt_tokens == 100_000
-    assert request_cost(policy, 2_000_000).prompt_tokens == 2_000_000  # exact counts are never capped
+    assert at_now(policy, 2_000_000).prompt_tokens == 2_000_000  # exact counts are never capped

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.cost import request_cost
-from sidecar.gate import Reason, decide
-from sidecar.ledger import LedgerTotals
+from sidecar.core.decide import Situation, decide
+from sidecar.core.decision import Reason
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.snapshot import Snapshot
+from sidecar.intake import rules_of
 from sidecar.policy import PolicyError, load_policy_file, load_policy_text
 from sidecar.policy_summary import summarize
-from sidecar.signals.snapshot import Snapshot
-from tests.conftest import POLICIES
+from tests.conftest import POLICIES, ask
 from tests.test_cli import run
 
 OLD = POLICIES / "maxq-qwen3next-old.yaml"
@@ -96,7 +97,7 @@ def test_largest_admissible_prompt_is_where_the_gate_starts_saying_unfit(path: P
     blind = Snapshot()  # no engine report: the gate falls back to the policy's lane, like the summary
 
     def reason(n: int) -> Reason | None:
-        return decide(request_cost(policy, n), blind, LedgerTotals(), policy, 0.0).reason
+        return decide(ask(policy, n), Situation(rules_of(policy), blind, LedgerTotals(), 0.0)).reason
 
     assert reason(s.max_prompt_tokens) is not Reason.UNFIT_REQUEST
     assert reason(s.max_prompt_tokens + 1) is Reason.UNFIT_REQUEST

@@ -22,13 +22,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
-from sidecar.cost import request_cost
-from sidecar.gate import Reason
-from sidecar.ledger import LedgerTotals
+from sidecar.core.decision import Reason
+from sidecar.core.ledger import LedgerTotals
 from sidecar.observe import Telemetry
 from sidecar.proxy import Proxy, make_session
 from sidecar.tokens import PromptCounter
-from tests.conftest import MIB, ManualClock, small_policy, snapshot
+from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot
 from tests.harness import (
     FAST,
     METRICS_TEMPLATE,
@@ -142,7 +141,7 @@ async def test_client_leaving_as_the_gate_admits_it_leaks_nothing() -> None:
     a = Admission(small_policy(), loop.time, observer=rec)
     a.update_snapshot(snapshot(loop.time(), free_bytes=0))
     proxy = Proxy("http://127.0.0.1:9", a, PromptCounter())
-    task = asyncio.create_task(proxy._acquire(request_cost(a.policy, 1000)))
+    task = asyncio.create_task(proxy._acquire(ask(a, 1000)))
     await eventually(lambda: a.held == 1)
 
     task.cancel()  # what _until_disconnect's listener does when http.disconnect arrives
@@ -235,7 +234,7 @@ def test_observer_failure_after_charge_leaks_the_ledger() -> None:
     a = Admission(small_policy(), clock, observer=Telemetry(CollectorRegistry(), FullDisk()))
     a.update_snapshot(snapshot(clock(), free_bytes=10 * MIB))
     try:
-        r: Ticket | Rejection | Waiter | None = a.submit(request_cost(a.policy, 1000), lambda r: None)
+        r: Ticket | Rejection | Waiter | None = a.submit(ask(a, 1000), lambda r: None)
     except OSError:
         r = None
     if isinstance(r, Ticket):
@@ -245,19 +244,19 @@ def test_observer_failure_after_charge_leaks_the_ledger() -> None:
 
 def test_policy_reload_recosts_held_requests(clock: ManualClock) -> None:
     """A reload that corrects an over-pessimistic cost model must let held requests in. Waiters keep
-    the RequestCost projected under the old policy, so they stay held; in strict order they also
+    the Demand projected under the old policy, so they stay held; in strict order they also
     block every newcomer that the new policy admits (explain says "admit", the request is held)
     until hold_timeout."""
     snap = snapshot(clock(), free_bytes=600 * 1024)  # 600 KiB free
     cheaper = small_policy(cost__activation_bytes_per_chunk_token=512)  # 500 KiB per request
     probe = Admission(cheaper, clock)
     probe.update_snapshot(snap)
-    assert probe.evaluate(request_cost(cheaper.policy, 1000)).admitted  # fits under the new policy
+    assert probe.evaluate(ask(cheaper.policy, 1000)).admitted  # fits under the new policy
 
     a = Admission(small_policy(), clock)
     a.update_snapshot(snap)
     got: list[Ticket | Rejection] = []
-    w = a.submit(request_cost(a.policy, 1000), got.append)  # 1000 KiB under the old cost model
+    w = a.submit(ask(a, 1000), got.append)  # 1000 KiB under the old cost model
     assert isinstance(w, Waiter)
     a.reload(cheaper)
     assert len(got) == 1 and isinstance(got[0], Ticket), "held request still priced by the old policy"
@@ -334,7 +333,7 @@ def test_decision_log_is_written_off_the_event_loop() -> None:
         loop = asyncio.get_running_loop()
         a = Admission(small_policy(), loop.time, observer=telemetry)
         a.update_snapshot(snapshot(loop.time(), free_bytes=10 * MIB))
-        t = a.submit(request_cost(a.policy, 1000), lambda r: None)
+        t = a.submit(ask(a, 1000), lambda r: None)
         assert isinstance(t, Ticket)
         t.finish(Outcome.COMPLETED)
 
@@ -458,19 +457,19 @@ def test_retry_after_is_never_zero_on_any_rejection(clock: ManualClock) -> None:
     a = Admission(small_policy(hold__max_held=1, hold__max_wait_s=5), clock)
     a.update_snapshot(snapshot(clock(), free_bytes=0))
     seen: list[Rejection] = []
-    a.submit(request_cost(a.policy, 1000), seen.append)  # held
-    r = a.submit(request_cost(a.policy, 1000), seen.append)  # queue_full
+    a.submit(ask(a, 1000), seen.append)  # held
+    r = a.submit(ask(a, 1000), seen.append)  # queue_full
     assert isinstance(r, Rejection)
     seen.append(r)
-    unfit = a.submit(request_cost(a.policy, 200_000), seen.append)  # unfit_request
+    unfit = a.submit(ask(a, 200_000), seen.append)  # unfit_request
     assert isinstance(unfit, Rejection)
     seen.append(unfit)
     clock.advance(5)
     a.expire()  # hold_timeout
     clock.advance(60)
-    stale = a.submit(request_cost(a.policy, 1000, priority=1), seen.append)  # signals stale: held
+    stale = a.submit(ask(a, 1000, priority=1), seen.append)  # signals stale: held
     a.drain()  # draining, for the held one and a new one
-    seen.append(a.submit(request_cost(a.policy, 1), seen.append))  # type: ignore[arg-type]
+    seen.append(a.submit(ask(a, 1), seen.append))  # type: ignore[arg-type]
     assert isinstance(stale, Waiter)
     reasons = {x.reason for x in seen}
     assert {Reason.QUEUE_FULL, Reason.UNFIT_REQUEST, Reason.HOLD_TIMEOUT, Reason.DRAINING} <= reasons
@@ -481,9 +480,9 @@ def test_hold_queue_heap_stays_bounded_under_churn(clock: ManualClock) -> None:
     """Cancelled waiters are removed lazily; the heap must not grow with the number ever held."""
     a = Admission(small_policy(hold__max_held=100), clock)
     a.update_snapshot(snapshot(clock(), free_bytes=0))
-    keep = [a.submit(request_cost(a.policy, 1000), lambda r: None) for _ in range(5)]
+    keep = [a.submit(ask(a, 1000), lambda r: None) for _ in range(5)]
     for _ in range(10_000):
-        w = a.submit(request_cost(a.policy, 1000), lambda r: None)
+        w = a.submit(ask(a, 1000), lambda r: None)
         assert isinstance(w, Waiter)
         a.cancel(w)
     assert a.held == 5 and all(isinstance(w, Waiter) for w in keep)
@@ -498,7 +497,7 @@ def test_no_await_between_decision_and_charge(clock: ManualClock) -> None:
     assert not inspect.iscoroutinefunction(Admission.pump)
     a = Admission(small_policy(), clock)
     a.update_snapshot(snapshot(clock(), free_bytes=3 * MIB))
-    results = [a.submit(request_cost(a.policy, 1000), lambda r: None) for _ in range(6)]
+    results = [a.submit(ask(a, 1000), lambda r: None) for _ in range(6)]
     assert sum(isinstance(r, Ticket) for r in results) == 3 and a.ledger.totals.requests == 3
 
 

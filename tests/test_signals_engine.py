@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sidecar.core.snapshot import EngineSignals, SourceHealth
 from sidecar.signals.engine import (
     METRICS_ACCEPT,
     EngineScraper,
@@ -21,7 +22,6 @@ from sidecar.signals.engine import (
     parse_server_info,
     read_metrics,
 )
-from sidecar.signals.snapshot import EngineSignals, SourceHealth
 
 # Real bytes from SGLang 0.5.23 (tests/fixtures/sglang/README.md), with their checksums in SHA256SUMS.
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"

@@ -13,6 +13,7 @@ import httpx
 import pynvml  # nvidia-ml-py; importing it needs no driver, only nvmlInit does
 import pytest
 
+from sidecar.core.snapshot import DeviceMemory, GpuSignals, SourceHealth
 from sidecar.signals.engine import make_control_client
 from sidecar.signals.gpu import (
     MIB,
@@ -25,7 +26,6 @@ from sidecar.signals.gpu import (
     parse_dcgm,
     parse_gpu_source,
 )
-from sidecar.signals.snapshot import DeviceMemory, GpuSignals, SourceHealth
 
 GIB = 1024**3
 

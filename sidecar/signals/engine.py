@@ -34,7 +34,7 @@ from typing import Any, NoReturn, TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.signals.snapshot import EngineSignals, SourceHealth
+from sidecar.core.snapshot import EngineSignals, SourceHealth
 
 log = logging.getLogger(__name__)
 

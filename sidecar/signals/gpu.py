@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.core.snapshot import DeviceMemory, GpuSignals, SourceHealth
 from sidecar.signals.engine import make_control_client, poll_forever
-from sidecar.signals.snapshot import DeviceMemory, GpuSignals, SourceHealth
 
 MIB = 1024 * 1024
 

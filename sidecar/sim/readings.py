@@ -8,7 +8,7 @@ lagging gauges, never the model's live state.
 
 from __future__ import annotations
 
-from sidecar.signals.snapshot import DeviceMemory, EngineSignals, GpuSignals
+from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals
 from sidecar.sim.engine import EngineModel
 
 SGLANG_VERSION = "0.5.23"

@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
-from sidecar.cost import RequestCost, request_cost
-from sidecar.gate import Decision, headroom_bytes
-from sidecar.ledger import LedgerTotals
+from sidecar.core import demand
+from sidecar.core.decide import headroom_bytes
+from sidecar.core.decision import Decision
+from sidecar.core.demand import Demand
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.snapshot import SourceHealth
 from sidecar.policy import LoadedPolicy, PolicyError, load_policy_file
-from sidecar.signals.snapshot import SourceHealth
 from sidecar.sim.engine import EngineModel
 from sidecar.sim.events import Crashed, Failed, Finished, FirstToken, Restarted, Retracted, Tokens
 from sidecar.sim.profiles import LaneProfile, get_profile
@@ -244,7 +246,7 @@ class Recorder:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.outcomes: Counter[str] = Counter()
 
-    def decision(self, d: Decision, cost: RequestCost, waited_s: float, ledger: LedgerTotals) -> None:
+    def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         reason = d.reason.value if d.reason else None
         self.decisions.append((round(self.driver.t, 3), d.action.value, reason))
         self.counts[(d.action.value, reason or "none")] += 1
@@ -313,15 +315,16 @@ class Driver:
         if self.admission is None:
             self._to_engine(a)
             return
-        cost = request_cost(
-            self.admission.policy,
+        d = demand.build(
+            self.admission.rules,
             a.prompt_tokens,
+            arrived_at=self.t,
             max_new_tokens=a.max_new_tokens,
             priority=a.priority,
             request_id=a.rid,
             chunk=self.profile.chunked_prefill_size,
         )
-        result = self.admission.submit(cost, lambda r, a=a: self._gate_answered(a, r))
+        result = self.admission.submit(d, lambda r, a=a: self._gate_answered(a, r))
         if not isinstance(result, Waiter):
             self._gate_answered(a, result)
         else:
@@ -422,7 +425,7 @@ class Driver:
         s["free_bytes"].append(self.engine.free_bytes(self.t))
         if self.admission is not None:
             a = self.admission
-            s["headroom_bytes"].append(headroom_bytes(a.policy, a.snapshot, a.ledger.totals))
+            s["headroom_bytes"].append(headroom_bytes(a.rules, a.snapshot, a.ledger.totals))
             s["ledger_projected_bytes"].append(a.ledger.totals.projected_bytes)
             s["held"].append(a.held)
         else:

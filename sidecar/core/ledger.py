@@ -11,19 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import count
 
-
-@dataclass(frozen=True, slots=True)
-class LedgerEntry:
-    prefill_tokens: int
-    kv_tokens: int
-    projected_bytes: int
-    mamba_slots: int
-    charged_at: float
+from sidecar.core.decision import Charge
 
 
 @dataclass(frozen=True, slots=True)
 class LedgerTotals:
     requests: int = 0
+    # Sequences those requests put in the engine's queue (a batch or `n` > 1 is several).
+    sequences: int = 0
     prefill_tokens: int = 0
     kv_tokens: int = 0
     projected_bytes: int = 0
@@ -32,7 +27,7 @@ class LedgerTotals:
 
 class Ledger:
     def __init__(self) -> None:
-        self._entries: dict[int, LedgerEntry] = {}
+        self._entries: dict[int, Charge] = {}
         self._ids = count(1)
         self._totals = LedgerTotals()
 
@@ -43,29 +38,27 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def charge(self, entry: LedgerEntry) -> int:
+    def charge(self, charge: Charge) -> int:
         key = next(self._ids)
-        self._entries[key] = entry
-        self._totals = _add(self._totals, entry, 1)
+        self._entries[key] = charge
+        self._totals = _add(self._totals, charge, 1)
         return key
 
     def release(self, key: int) -> bool:
         """Remove an entry; False when it was already released (harmless, by design)."""
-        entry = self._entries.pop(key, None)
-        if entry is None:
+        charge = self._entries.pop(key, None)
+        if charge is None:
             return False
-        self._totals = _add(self._totals, entry, -1)
+        self._totals = _add(self._totals, charge, -1)
         return True
 
-    def oldest_charged_at(self) -> float | None:
-        return min((e.charged_at for e in self._entries.values()), default=None)
 
-
-def _add(t: LedgerTotals, e: LedgerEntry, sign: int) -> LedgerTotals:
+def _add(t: LedgerTotals, c: Charge, sign: int) -> LedgerTotals:
     return LedgerTotals(
         requests=t.requests + sign,
-        prefill_tokens=t.prefill_tokens + sign * e.prefill_tokens,
-        kv_tokens=t.kv_tokens + sign * e.kv_tokens,
-        projected_bytes=t.projected_bytes + sign * e.projected_bytes,
-        mamba_slots=t.mamba_slots + sign * e.mamba_slots,
+        sequences=t.sequences + sign * c.sequences,
+        prefill_tokens=t.prefill_tokens + sign * c.prefill_tokens,
+        kv_tokens=t.kv_tokens + sign * c.kv_tokens,
+        projected_bytes=t.projected_bytes + sign * c.projected_bytes,
+        mamba_slots=t.mamba_slots + sign * c.mamba_slots,
     )

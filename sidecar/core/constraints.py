@@ -1,0 +1,148 @@
+"""The constraints: one small piece per limit, each with its policy section, its check and its reason.
+
+``CONSTRAINTS`` is the order they are evaluated and reported in; the first that fails names the
+reason. Every one is evaluated, so ``explain`` and the decision log show all of them. Each reads the
+engine's last *fresh* report plus the ledger, because the gauges lag and the ledger does not; a
+constraint whose signal is unknown (or stale, where the policy admits blind) passes with a note.
+
+To add a constraint: a class with ``reason``, ``on_exceed`` and ``check`` below, its place in
+``CONSTRAINTS``, its reason in ``decision.Reason``, its section in ``rules.Rules`` and in the policy
+file (``policy.py``, ``intake.rules_of``). ``decide`` does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from sidecar.core.decision import Charge, Check, Reason
+from sidecar.core.demand import Demand
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.rules import ExceedAction, PendingPrefillRules, QueueRules, Rules
+from sidecar.core.snapshot import EngineSignals
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What the constraints read, assembled once per decision by ``decide``."""
+
+    rules: Rules
+    # The engine's report when fresh; None when never read or stale (and the policy admits blind).
+    engine: EngineSignals | None
+    # Free VRAM not yet promised; None when there is no usable GPU signal.
+    headroom: int | None
+    ledger: LedgerTotals
+    # What admitting the request books: the KV and Mamba figures the checks compare.
+    charge: Charge
+
+
+class Constraint(Protocol):
+    reason: Reason
+
+    def on_exceed(self, rules: Rules) -> ExceedAction: ...
+
+    def check(self, demand: Demand, r: Reading) -> Check | None:
+        """The verdict, or None where the constraint does not apply to this lane."""
+        ...
+
+
+def _usage_below(usage: float | None, limit: float) -> bool:
+    return usage is None or usage < limit
+
+
+class VramHeadroom:
+    """The projected transient must fit in what is free and not yet promised to admitted prefills."""
+
+    reason = Reason.VRAM_HEADROOM
+
+    def on_exceed(self, rules: Rules) -> ExceedAction:
+        return rules.vram.on_exceed
+
+    def check(self, demand: Demand, r: Reading) -> Check:
+        need = r.charge.projected_bytes
+        if r.headroom is None:
+            return Check(self.reason.value, True, need, None, "no GPU signal")
+        return Check(self.reason.value, need <= r.headroom, need, r.headroom)
+
+
+class KvPool:
+    """The uncached prompts (plus decode reserves) against free (+evictable) slots and the ledger."""
+
+    reason = Reason.KV_POOL
+
+    def on_exceed(self, rules: Rules) -> ExceedAction:
+        return rules.kv.on_exceed
+
+    def check(self, demand: Demand, r: Reading) -> Check:
+        kv, e = r.rules.kv, r.engine
+        if e is None or e.kv_available_tokens is None:
+            usage = e.full_token_usage if e else None
+            return Check(
+                self.reason.value, _usage_below(usage, kv.max_usage), kv.max_usage, usage, "usage only"
+            )
+        free = e.kv_available_tokens + (e.kv_evictable_tokens or 0) * kv.count_evictable_as_free
+        have = free - r.ledger.kv_tokens - kv.reserve_tokens
+        need = r.charge.kv_tokens
+        ok = need <= have and _usage_below(e.full_token_usage, kv.max_usage)
+        return Check(self.reason.value, ok, need, have)
+
+
+class MambaSlots:
+    """Mamba state slots: a pool apart from KV tokens; it ran out at 2 running requests on lane 2."""
+
+    reason = Reason.MAMBA_SLOTS
+
+    def on_exceed(self, rules: Rules) -> ExceedAction:
+        return rules.mamba.on_exceed if rules.mamba is not None else ExceedAction.HOLD
+
+    def check(self, demand: Demand, r: Reading) -> Check | None:
+        m, e, need = r.rules.mamba, r.engine, r.charge.mamba_slots
+        if m is None or not need:
+            return None
+        if e is None or e.mamba_available_slots is None:
+            usage = e.mamba_usage if e else None
+            return Check(
+                self.reason.value, _usage_below(usage, m.max_usage), m.max_usage, usage, "usage only"
+            )
+        have = (
+            e.mamba_available_slots + (e.mamba_evictable_slots or 0) - r.ledger.mamba_slots - m.reserve_slots
+        )
+        ok = need <= have and _usage_below(e.mamba_usage, m.max_usage)
+        return Check(self.reason.value, ok, need, have)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkAhead:
+    """Work waiting in the engine ahead of this request (the larger of the engine's gauge and the
+    ledger: the gauge lags, the ledger does not) plus this request's own, within a limit. A request
+    alone always passes: one larger than the limit would otherwise wait for ever.
+
+    Two constraints have this shape: the engine queue (sequences not yet prefilled; a request waiting
+    *inside* SGLang is beyond the gate's reach) and pending prefill tokens.
+    """
+
+    reason: Reason
+    # Its policy section (a ``limit`` and an ``on_exceed``), the engine's report of the work ahead, and
+    # the share of it one request has (the same field of the ledger's totals and of a charge).
+    section: Callable[[Rules], QueueRules | PendingPrefillRules]
+    reported: Callable[[EngineSignals], int | None]
+    share: Callable[[LedgerTotals | Charge], int]
+
+    def on_exceed(self, rules: Rules) -> ExceedAction:
+        return self.section(rules).on_exceed
+
+    def check(self, demand: Demand, r: Reading) -> Check:
+        reported = self.reported(r.engine) if r.engine else None
+        ahead = max(reported or 0, self.share(r.ledger))
+        need = ahead + self.share(r.charge)
+        limit = self.section(r.rules).limit
+        return Check(self.reason.value, ahead == 0 or need <= limit, need, limit)
+
+
+# fmt: off
+ENGINE_QUEUE = WorkAhead(Reason.ENGINE_QUEUE, lambda r: r.engine_queue, lambda e: e.queue_requests, lambda t: t.sequences)
+PENDING_PREFILL = WorkAhead(Reason.PENDING_PREFILL_TOKENS, lambda r: r.pending_prefill, lambda e: e.pending_prefill_tokens, lambda t: t.prefill_tokens)
+# fmt: on
+
+CONSTRAINTS: tuple[Constraint, ...] = (VramHeadroom(), KvPool(), MambaSlots(), ENGINE_QUEUE, PENDING_PREFILL)

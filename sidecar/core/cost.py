@@ -1,0 +1,64 @@
+"""The bytes one request's prefill allocates outside the KV pool: a sum of named terms, times a margin.
+
+The projection is per prefill chunk, not per prompt: SGLang prefills ``chunked_prefill_size`` tokens at
+a time, so activations scale with ``min(uncached, chunk)``. The last chunk attends over the whole
+request, so two terms grow with the context: temporaries that do on every build, and the full-context
+gather that a bounded-gather build caps (1,024 MiB at 524,288 tokens on the old build, 32 MiB on the
+bounded one). ``max_new_tokens`` never enters the transient.
+
+To add a term: write a function of ``(CostModel, Shape) -> bytes`` below, add it to ``TERMS``, add its
+coefficient to ``CostModel`` (``core/rules.py``), to the policy's ``cost`` section (``policy.py``) and to
+``intake.rules_of``. Nothing else changes: the demand, the ledger and every constraint read the sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sidecar.core.rules import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What the terms may depend on."""
+
+    prompt_tokens: int
+    uncached_tokens: int
+    # Tokens of the largest prefill chunk: min(uncached, chunk), and 1 for a fully cached prompt
+    # (which still runs one extend step over its last token).
+    chunk_tokens: int
+    # Sequences the request creates (prompts x samples per prompt).
+    sequences: int = 1
+
+
+def fixed(c: CostModel, s: Shape) -> float:
+    return c.fixed_bytes
+
+
+def activations(c: CostModel, s: Shape) -> float:
+    """Per token of the chunk being prefilled."""
+    return c.activation_bytes_per_chunk_token * s.chunk_tokens
+
+
+def context_temporaries(c: CostModel, s: Shape) -> float:
+    """The last chunk's temporaries that grow with the whole context, on every build."""
+    return c.context_bytes_per_token * s.prompt_tokens
+
+
+def gather(c: CostModel, s: Shape) -> float:
+    """The full-context gather; a bounded-gather build caps it."""
+    g = c.gather_bytes_per_context_token * s.prompt_tokens
+    return g if c.gather_cap_bytes is None else min(g, c.gather_cap_bytes)
+
+
+Term = Callable[[CostModel, Shape], float]
+TERMS: tuple[Term, ...] = (fixed, activations, context_temporaries, gather)
+
+
+def shape(prompt_tokens: int, uncached_tokens: int, chunk: int, sequences: int = 1) -> Shape:
+    return Shape(prompt_tokens, uncached_tokens, min(uncached_tokens, chunk) or 1, sequences)
+
+
+def project_bytes(c: CostModel, s: Shape, terms: tuple[Term, ...] = TERMS) -> int:
+    return int(sum(t(c, s) for t in terms) * c.margin)

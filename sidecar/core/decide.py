@@ -1,0 +1,207 @@
+"""The admission decision: one pure function, ``decide(demand, situation) -> Decision``.
+
+No I/O, no clock reads, no awaits. The live proxy, ``replay``, ``explain`` and the benchmarks all
+call it; what differs between them is only where the situation comes from. Every rule is here, in the
+order it is applied:
+
+1. **draining** - the sidecar is shutting down: everything gets 503 ``draining``.
+2. **unfit_request** - a request that could never fit this lane (longer than the context, larger than
+   the KV pool or the Mamba pool, a transient larger than the lane can ever free). Holding it would
+   only delay the 503.
+3. **engine_unavailable / signals_stale** - without fresh signals the gate is blind; the policy says,
+   per signal, whether blind means hold, reject or admit.
+4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, KV pool, Mamba slots, engine
+   queue, pending prefill tokens) - all evaluated, the first failure names the reason, its policy
+   section's ``on_exceed`` says hold or reject.
+5. **strict order** - without ``hold.backfill``, a request that would be admitted while an earlier
+   one of equal or higher priority waits, waits behind it (with that one's reason).
+6. **the hold queue's bounds** - a hold becomes ``hold_timeout`` at the request's deadline
+   (``hold.max_wait_s`` after it arrived), and ``queue_full`` for a newcomer when ``hold.max_held``
+   are already held.
+
+A rejection carries Retry-After (``retry_after_s``); every decision carries the charge that admitting
+the request books in the ledger.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sidecar.core.constraints import CONSTRAINTS, Reading
+from sidecar.core.decision import Action, Charge, Check, Decision, Reason
+from sidecar.core.demand import Demand
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.rules import ExceedAction, Rules, SignalRules
+from sidecar.core.snapshot import Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Situation:
+    """Everything but the request: the policy, the signals, the ledger, the clock and the queue."""
+
+    rules: Rules
+    snapshot: Snapshot
+    ledger: LedgerTotals
+    now: float
+    # Requests in the hold queue; whether this one is among them (it is then never ``queue_full``).
+    held: int = 0
+    queued: bool = False
+    # The reason of the earliest request waiting ahead of this one (None: nobody waits ahead).
+    ahead: Reason | None = None
+    draining: bool = False
+
+
+def decide(demand: Demand, s: Situation) -> Decision:
+    """Admit, hold or reject one request (steps 1-6 of the module docstring)."""
+    rules = s.rules
+    if s.draining:
+        return Decision(Action.REJECT, Reason.DRAINING, rules.hold.retry_after_min_s)
+    charge = charge_of(demand, rules, s.snapshot)
+    headroom = headroom_bytes(rules, s.snapshot, s.ledger)
+    action, reason, checks = _judge(demand, s, charge, headroom)
+    if action is Action.ADMIT and s.ahead is not None and not rules.hold.backfill:
+        action, reason = Action.HOLD, s.ahead
+    if action is Action.HOLD and s.now >= demand.deadline:
+        action, reason = Action.REJECT, Reason.HOLD_TIMEOUT
+    elif action is Action.HOLD and not s.queued and s.held >= rules.hold.max_held:
+        action, reason = Action.REJECT, Reason.QUEUE_FULL
+    retry = retry_after_s(demand, s, reason) if action is Action.REJECT else None
+    return Decision(action, reason, retry, headroom, checks, charge)
+
+
+def charge_of(demand: Demand, rules: Rules, snap: Snapshot) -> Charge:
+    """What admitting the request books: Mamba slots only where the lane has a Mamba pool."""
+    e = snap.engine
+    has_pool = rules.lane.mamba_slots is not None or (e is not None and bool(e.mamba_total_slots))
+    return Charge(
+        prefill_tokens=demand.uncached_tokens,
+        kv_tokens=demand.kv_tokens,
+        projected_bytes=demand.projected_bytes,
+        mamba_slots=demand.mamba_slots if has_pool else 0,
+        sequences=demand.sequences,
+    )
+
+
+def headroom_bytes(rules: Rules, snap: Snapshot, ledger: LedgerTotals) -> int | None:
+    """Free VRAM (live, or the lane's idle budget) minus the reserve minus what admitted prefills will
+    still allocate (``rules.HeadroomSource`` says which free memory and why).
+
+    With live NVML free, a prefill already running is charged both in NVML (its live transient) and in
+    the ledger until its first token, which errs on the safe side for the length of one prefill.
+    """
+    v = rules.vram
+    if not v.uses_gpu_signal:
+        assert v.idle_free_bytes is not None
+        free = v.idle_free_bytes
+        other = snap.gpu.other_process_bytes if snap.gpu is not None else None
+        if other is not None and v.other_processes_bytes is not None:
+            free -= max(0, other - v.other_processes_bytes)  # a neighbour grew: it is not the engine's
+    elif snap.gpu is None or snap.gpu.free_bytes is None:
+        return None
+    else:
+        free = snap.gpu.free_bytes
+    return free - v.reserve_bytes - ledger.projected_bytes
+
+
+def _judge(
+    demand: Demand, s: Situation, charge: Charge, headroom: int | None
+) -> tuple[Action, Reason | None, tuple[Check, ...]]:
+    """Steps 2-4: fit, sight, then the constraints."""
+    unfit = _unfit(demand, s.rules, s.snapshot, charge)
+    if unfit is not None:
+        return Action.REJECT, Reason.UNFIT_REQUEST, (unfit,)
+    blind = _blindness(s)
+    if blind is not None:
+        action, reason, check = blind
+        return action, reason, (check,)
+    rules, snap, now = s.rules, s.snapshot, s.now
+    gpu_ok = not rules.vram.uses_gpu_signal or _fresh(snap.gpu_age(now), rules.gpu)
+    reading = Reading(
+        rules=rules,
+        engine=snap.engine if _fresh(snap.engine_age(now), rules.engine) else None,
+        headroom=headroom if gpu_ok else None,
+        ledger=s.ledger,
+        charge=charge,
+    )
+    checks: list[Check] = []
+    failed: tuple[Reason, ExceedAction] | None = None
+    for c in CONSTRAINTS:
+        check = c.check(demand, reading)
+        if check is None:
+            continue
+        checks.append(check)
+        if failed is None and not check.ok:
+            failed = (c.reason, c.on_exceed(rules))
+    if failed is None:
+        return Action.ADMIT, None, tuple(checks)
+    reason, on_exceed = failed
+    return (Action.HOLD if on_exceed is ExceedAction.HOLD else Action.REJECT), reason, tuple(checks)
+
+
+def _unfit(demand: Demand, rules: Rules, snap: Snapshot, charge: Charge) -> Check | None:
+    e = snap.engine
+    name = Reason.UNFIT_REQUEST.value
+    context_len = (e.context_len if e else None) or rules.lane.context_len
+    pool = (e.max_total_tokens if e else None) or rules.lane.kv_pool_tokens
+    # An estimated count over-counts on purpose; only an exact count may condemn a request for length.
+    if demand.exact:
+        total = demand.prompt_tokens + demand.max_new_tokens
+        if demand.prompt_tokens >= context_len or total > context_len:
+            return Check(name, False, total, context_len, "prompt + max_new_tokens > context")
+        if pool is not None and charge.kv_tokens > pool - rules.kv.reserve_tokens:
+            return Check(name, False, charge.kv_tokens, pool, "larger than KV pool")
+    pool_slots = (e.mamba_total_slots if e else None) or rules.lane.mamba_slots
+    m = rules.mamba
+    needs = charge.mamba_slots
+    if needs and pool_slots is not None and m is not None and needs > pool_slots - m.reserve_slots:
+        return Check(name, False, charge.mamba_slots, pool_slots, "more Mamba slots than the pool has")
+    cap = rules.vram.transient_cap()
+    if cap is not None and charge.projected_bytes > cap:
+        return Check(name, False, charge.projected_bytes, cap, "transient larger than the lane frees")
+    return None
+
+
+def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:
+    """Engine and GPU signals: unavailable, stale, or fine. The policy's choice is applied per signal."""
+    rules, snap = s.rules, s.snapshot
+    health = snap.engine_health
+    if health.consecutive_failures >= rules.engine.unavailable_after_failures:
+        note = health.last_error or "engine unreachable"
+        return (
+            Action.REJECT,
+            Reason.ENGINE_UNAVAILABLE,
+            Check(Reason.ENGINE_UNAVAILABLE.value, False, note=note),
+        )
+    gpu_rules = rules.gpu if rules.gpu.required and rules.vram.uses_gpu_signal else None
+    for name, age, sr in (
+        ("engine", snap.engine_age(s.now), rules.engine),
+        ("gpu", snap.gpu_age(s.now), gpu_rules),
+    ):
+        if sr is None or _fresh(age, sr) or sr.on_stale is Action.ADMIT:
+            continue  # fresh, or the policy admits blind on this signal (its constraints then pass)
+        age_text = "never read" if age is None else f"{age:.1f}s old"
+        check = Check(Reason.SIGNALS_STALE.value, False, sr.max_age_s, age, f"{name} signals {age_text}")
+        return sr.on_stale, Reason.SIGNALS_STALE, check
+    return None
+
+
+def _fresh(age: float | None, sr: SignalRules) -> bool:
+    return age is not None and age <= sr.max_age_s
+
+
+def retry_after_s(demand: Demand, s: Situation, reason: Reason | None) -> int:
+    """A bounded estimate, never 0: how long until the prefill work ahead of this request drains.
+
+    Unfit requests get the maximum: retrying them will not help, but clients that honour Retry-After
+    should not hammer the lane.
+    """
+    h = s.rules.hold
+    if reason is Reason.UNFIT_REQUEST:
+        return h.retry_after_max_s
+    e = s.snapshot.engine
+    ahead = max((e.pending_prefill_tokens or 0) if e else 0, s.ledger.prefill_tokens)
+    estimate = (ahead + demand.uncached_tokens) / h.prefill_tokens_per_s
+    if reason in (Reason.SIGNALS_STALE, Reason.ENGINE_UNAVAILABLE):
+        estimate = max(estimate, s.rules.engine.max_age_s)
+    return int(min(h.retry_after_max_s, max(h.retry_after_min_s, math.ceil(estimate))))

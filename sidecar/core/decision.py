@@ -1,0 +1,69 @@
+"""What the decision returns: an action, the reason, every check's numbers, and the charge to book."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Action(StrEnum):
+    ADMIT = "admit"
+    HOLD = "hold"
+    REJECT = "reject"
+
+
+class Reason(StrEnum):
+    """Stable reason codes: headers, metrics labels and dashboards depend on these strings."""
+
+    VRAM_HEADROOM = "vram_headroom"
+    KV_POOL = "kv_pool"
+    MAMBA_SLOTS = "mamba_slots"
+    ENGINE_QUEUE = "engine_queue"
+    PENDING_PREFILL_TOKENS = "pending_prefill_tokens"
+    UNFIT_REQUEST = "unfit_request"
+    SIGNALS_STALE = "signals_stale"
+    QUEUE_FULL = "queue_full"
+    HOLD_TIMEOUT = "hold_timeout"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One step's verdict with the numbers that decided it (for explain and the decision log)."""
+
+    name: str
+    ok: bool
+    need: float | None = None
+    have: float | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What the ledger books for an admitted request until its prefill is done.
+
+    ``mamba_slots`` is 0 on a lane without a Mamba pool; ``sequences`` is what the request adds to the
+    engine's queue (every prompt times every sample of it).
+    """
+
+    prefill_tokens: int = 0
+    kv_tokens: int = 0
+    projected_bytes: int = 0
+    mamba_slots: int = 0
+    sequences: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: Reason | None
+    retry_after_s: int | None = None
+    headroom_bytes: int | None = None
+    checks: tuple[Check, ...] = field(default_factory=tuple)
+    # What admitting this request books (also set on a hold or a rejection: shadow mode forwards those).
+    charge: Charge = Charge()
+
+    @property
+    def admitted(self) -> bool:
+        return self.action is Action.ADMIT

@@ -1,0 +1,117 @@
+"""What one request will ask of the lane, computed once at intake: the decision re-reads it on every
+wake-up of the hold queue, and the ledger books what the decision hands back.
+
+Every sequence the request creates is counted. A ``/generate`` batch of 8 prompts, or ``n: 8``
+(SGLang's ``parallel_sample_num``), is 8 sequences: 8 entries in the engine's queue, 8 Mamba working
+states, 8 decode reserves in the KV pool. The prompts themselves are prefilled once each: with
+``n`` > 1 SGLang first prefills every prompt alone to cache it, and the samples then share that
+prefix, so the prompt's KV and the prefill transient do not multiply with ``n``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sidecar.core.cost import project_bytes, shape
+from sidecar.core.rules import Rules
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A frozen value; ``build`` is the only place that derives its quantities."""
+
+    # Ties a request's decision-log lines together (hold, then admit); not an input to the decision.
+    request_id: str
+    # Prompts the engine prefills, and sequences it runs (prompts x samples per prompt).
+    prompts: int
+    sequences: int
+    # Sum over the prompts. Exact from a tokenizer, ids or the engine; else an over-estimate.
+    prompt_tokens: int
+    exact: bool
+    cached_tokens: int
+    uncached_tokens: int
+    max_new_tokens: int
+    # KV pool tokens: the uncached prompts plus the decode reserve of every sequence.
+    kv_tokens: int
+    # Mamba state slots if the lane has a pool: a working state per sequence plus prefill checkpoints.
+    mamba_slots: int
+    # Bytes outside the KV pool the largest prefill chunk allocates (``core/cost.py``).
+    projected_bytes: int
+    # The chunked-prefill size the projection used (the engine's, else the lane's).
+    chunk_size: int
+    priority: int
+    # When it arrived and the latest time it may leave the hold queue (``hold.max_wait_s`` later).
+    arrived_at: float
+    deadline: float
+
+
+def build(
+    rules: Rules,
+    prompt_tokens: int,
+    *,
+    arrived_at: float,
+    exact: bool = True,
+    cached_tokens: int = 0,
+    max_new_tokens: int | None = None,
+    prompts: int = 1,
+    samples: int = 1,
+    priority: int | None = None,
+    chunk: int | None = None,
+    request_id: str = "",
+) -> Demand:
+    chunk = chunk or rules.lane.chunked_prefill_size
+    if not exact:
+        # An over-estimate beyond the context would hold the request for ever (no pool is that big);
+        # a prompt really that long is refused by the engine itself with a 400, before any prefill.
+        prompt_tokens = min(prompt_tokens, rules.lane.context_len)
+    cached = min(max(0, cached_tokens), prompt_tokens)
+    uncached = prompt_tokens - cached
+    prompts = max(1, prompts)
+    sequences = prompts * max(1, samples)
+    max_new = max(0, max_new_tokens or 0)
+    return Demand(
+        request_id=request_id,
+        prompts=prompts,
+        sequences=sequences,
+        prompt_tokens=prompt_tokens,
+        exact=exact,
+        cached_tokens=cached,
+        uncached_tokens=uncached,
+        max_new_tokens=max_new,
+        kv_tokens=uncached + math.ceil(rules.kv.decode_reserve_fraction * max_new * sequences),
+        mamba_slots=_mamba_slots(rules, prompt_tokens, prompts, sequences),
+        projected_bytes=project_bytes(rules.cost, shape(prompt_tokens, uncached, chunk, sequences)),
+        chunk_size=chunk,
+        priority=priority or 0,
+        arrived_at=arrived_at,
+        deadline=arrived_at + rules.hold.max_wait_s,
+    )
+
+
+def _mamba_slots(rules: Rules, prompt_tokens: int, prompts: int, sequences: int) -> int:
+    m = rules.mamba
+    if m is None:
+        return 0
+    checkpoints = 0
+    if m.checkpoint_interval_tokens:
+        # Each prompt's last partial interval rounds up: at most one more checkpoint per extra prompt.
+        checkpoints = math.ceil(prompt_tokens / m.checkpoint_interval_tokens) + prompts - 1
+    return m.slots_per_request * sequences + checkpoints
+
+
+def reprice(rules: Rules, d: Demand) -> Demand:
+    """The same request priced under another policy (a reload while it is held)."""
+    return build(
+        rules,
+        d.prompt_tokens,
+        exact=d.exact,
+        cached_tokens=d.cached_tokens,
+        max_new_tokens=d.max_new_tokens,
+        prompts=d.prompts,
+        samples=d.sequences // d.prompts,
+        priority=d.priority,
+        chunk=d.chunk_size,
+        request_id=d.request_id,
+        arrived_at=d.arrived_at,
+    )

@@ -1,0 +1,156 @@
+"""The policy as the decision reads it: plain frozen values, no validation, no YAML.
+
+The shell validates a policy file with pydantic (``sidecar/policy.py``) and builds these once per
+loaded policy (``sidecar/intake.py: rules_of``); the core never imports the validator. Each section
+here holds only what a rule reads, under the same name as the policy file's field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from sidecar.core.decision import Action
+
+
+class ExceedAction(StrEnum):
+    HOLD = "hold"
+    REJECT = "reject"
+
+
+class HeadroomSource(StrEnum):
+    """Where the VRAM headroom comes from.
+
+    ``nvml_free``: live free memory from the GPU source. Exact for an engine that returns freed
+    memory to the driver; for a PyTorch engine it is a low-water mark, because the caching allocator
+    keeps freed transients reserved (on an H200, one 500K prefill left NVML free ~100 MiB of an idle
+    3.2 GiB although its live transients peaked at 1.4 GiB), and the gate would then hold everything.
+    ``idle_budget``: the lane's measured idle free memory (``idle_free_bytes``), minus the reserve,
+    minus what the ledger's prefills will allocate, minus what other processes on the card hold beyond
+    ``other_processes_bytes`` (read live from NVML's per-process list when the source can tell). Right
+    for caching engines. NVML is still read, exported and shown in both modes.
+    """
+
+    NVML_FREE = "nvml_free"
+    IDLE_BUDGET = "idle_budget"
+
+
+@dataclass(frozen=True, slots=True)
+class LaneRules:
+    """Fallbacks: the engine's own reports win when present."""
+
+    context_len: int
+    kv_pool_tokens: int | None
+    mamba_slots: int | None
+    chunked_prefill_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Coefficients of the transient projection (``sidecar/core/cost.py`` says how they combine)."""
+
+    fixed_bytes: int
+    activation_bytes_per_chunk_token: int
+    context_bytes_per_token: int
+    gather_bytes_per_context_token: int
+    gather_cap_bytes: int | None
+    margin: float
+
+
+@dataclass(frozen=True, slots=True)
+class VramRules:
+    headroom: HeadroomSource
+    idle_free_bytes: int | None
+    other_processes_bytes: int | None
+    reserve_bytes: int
+    max_transient_bytes: int | None
+    on_exceed: ExceedAction
+
+    def transient_cap(self) -> int | None:
+        """The largest transient the lane can ever take; larger requests are unfit."""
+        if self.max_transient_bytes is not None:
+            return self.max_transient_bytes
+        if self.idle_free_bytes is not None:
+            return self.idle_free_bytes - self.reserve_bytes
+        return None
+
+    @property
+    def uses_gpu_signal(self) -> bool:
+        return self.headroom is HeadroomSource.NVML_FREE
+
+
+@dataclass(frozen=True, slots=True)
+class KvRules:
+    reserve_tokens: int
+    max_usage: float
+    count_evictable_as_free: bool
+    decode_reserve_fraction: float
+    on_exceed: ExceedAction
+
+
+@dataclass(frozen=True, slots=True)
+class MambaRules:
+    slots_per_request: int
+    checkpoint_interval_tokens: int | None
+    reserve_slots: int
+    max_usage: float
+    on_exceed: ExceedAction
+
+
+@dataclass(frozen=True, slots=True)
+class QueueRules:
+    """The engine's queue: requests forwarded whose prefill has not finished."""
+
+    max_requests: int
+    on_exceed: ExceedAction
+
+    @property
+    def limit(self) -> int:
+        return self.max_requests
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPrefillRules:
+    max_tokens: int
+    on_exceed: ExceedAction
+
+    @property
+    def limit(self) -> int:
+        return self.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SignalRules:
+    max_age_s: float
+    # What to do when the signal is too old to trust: hold, reject or admit (the policy always says).
+    on_stale: Action
+    unavailable_after_failures: int
+    # Only the GPU signal: False runs without it (the VRAM constraint is then off).
+    required: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class HoldRules:
+    max_held: int
+    max_wait_s: float
+    backfill: bool
+    low_priority_values_first: bool
+    retry_after_min_s: int
+    retry_after_max_s: int
+    prefill_tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """Everything the decision reads of a policy. ``mamba`` is None on lanes without a Mamba pool."""
+
+    lane: LaneRules
+    cost: CostModel
+    vram: VramRules
+    kv: KvRules
+    mamba: MambaRules | None
+    engine_queue: QueueRules
+    pending_prefill: PendingPrefillRules
+    engine: SignalRules
+    gpu: SignalRules
+    hold: HoldRules

@@ -1,0 +1,84 @@
+"""Intake: from what the shell knows (a validated policy, a parsed request, its token count) to the
+core's plain values (``Rules``, ``Demand``). The only place that reads pydantic models or HTTP bodies
+on behalf of the decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ByteSize
+
+from sidecar.core import demand
+from sidecar.core.demand import Demand
+from sidecar.core.rules import (
+    CostModel,
+    HoldRules,
+    KvRules,
+    LaneRules,
+    MambaRules,
+    PendingPrefillRules,
+    QueueRules,
+    Rules,
+    SignalRules,
+    VramRules,
+)
+from sidecar.policy import Policy
+from sidecar.requests import GenerationRequest
+from sidecar.tokens import TokenCount
+
+T = TypeVar("T", bound=Any)
+
+
+def rules_of(p: Policy) -> Rules:
+    """The decision's view of a validated policy, built once per loaded policy. Each core section takes
+    the policy section's fields of the same names (a new field is added to both, nothing here)."""
+    return Rules(
+        lane=_view(LaneRules, p.lane),
+        cost=_view(CostModel, p.cost),
+        vram=_view(VramRules, p.vram),
+        kv=_view(KvRules, p.kv),
+        mamba=None if p.mamba is None else _view(MambaRules, p.mamba),
+        engine_queue=_view(QueueRules, p.engine_queue),
+        pending_prefill=_view(PendingPrefillRules, p.pending_prefill),
+        engine=_view(SignalRules, p.engine),
+        gpu=_view(SignalRules, p.gpu),
+        hold=_view(HoldRules, p.hold),
+    )
+
+
+def _view(cls: type[T], section: BaseModel) -> T:
+    """``cls`` filled from the section's fields of the same names; ByteSize values become plain ints.
+    A field of ``cls`` the section lacks keeps its default (``SignalRules.required`` on the engine)."""
+    values = {f.name: getattr(section, f.name) for f in fields(cls) if f.name in type(section).model_fields}
+    return cls(**{k: int(v) if isinstance(v, ByteSize) else v for k, v in values.items()})
+
+
+def demand_of(
+    rules: Rules,
+    req: GenerationRequest,
+    count: TokenCount,
+    *,
+    now: float,
+    chunk: int | None,
+    request_id: str = "",
+) -> Demand:
+    """The demand of a parsed request and its token count (the proxy and ``explain`` share this).
+
+    Every sequence is counted: the prompts of a batch (``n_texts``) times the samples of each (``n``,
+    SGLang's ``parallel_sample_num``).
+    """
+    return demand.build(
+        rules,
+        count.tokens,
+        arrived_at=now,
+        exact=count.exact,
+        cached_tokens=req.declared_cached_tokens or 0,
+        max_new_tokens=req.max_new_tokens,
+        prompts=req.n_texts,
+        samples=req.parallel_samples,
+        priority=req.priority,
+        chunk=chunk,
+        request_id=request_id,
+    )

@@ -1,0 +1,106 @@
+"""Intake: a request's demand counts every sequence it creates, and the ledger books exactly that."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sidecar.admission import Admission, Ticket, Waiter
+from sidecar.core import demand
+from sidecar.core.decision import Reason
+from sidecar.intake import demand_of, rules_of
+from sidecar.requests import parse_generation
+from sidecar.tokens import TokenCount
+from tests.conftest import ManualClock, small_policy, snapshot
+
+# A lane with a 51-slot Mamba pool (lane 2), a checkpoint every 4,096 prompt tokens, and a decode
+# reserve of every sequence's whole output budget, so each figure below can be read off the body.
+LANE = dict(
+    lane__mamba_slots=51,
+    mamba__slots_per_request=1,
+    mamba__checkpoint_interval_tokens=4096,
+    kv__decode_reserve_fraction=1.0,
+    engine_queue__max_requests=10,
+)
+
+
+def parsed(path: str, body: dict) -> object:
+    return parse_generation(path, json.dumps(body).encode(), max_body_bytes=1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "prompts", "sequences"),
+    [
+        # A /generate batch of 8 prompts: 8 prefills, 8 sequences.
+        ("/generate", {"text": ["a"] * 8, "sampling_params": {"max_new_tokens": 100}}, 8, 8),
+        # One prompt, n=8 (SGLang's parallel_sample_num): 1 prefill, 8 sequences.
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 100, "n": 8}}, 1, 8),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "max_tokens": 100, "n": 8},
+            1,
+            8,
+        ),
+        # Both: 2 prompts x 4 samples.
+        ("/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 100, "n": 4}}, 2, 8),
+    ],
+)
+def test_every_sequence_is_charged_kv_mamba_and_queue(
+    clock: ManualClock, path: str, body: dict, prompts: int, sequences: int
+) -> None:
+    a = Admission(small_policy(**LANE), clock)
+    a.update_snapshot(snapshot(clock()))
+    d = demand_of(a.rules, parsed(path, body), TokenCount(8000, True, "test"), now=clock(), chunk=None)
+    assert (d.prompts, d.sequences) == (prompts, sequences)
+    assert d.kv_tokens == 8000 + 100 * sequences  # the prompts once, a decode reserve per sequence
+    checkpoints = 2 + prompts - 1  # ceil(8000 / 4096), plus one per extra prompt's partial interval
+    assert d.mamba_slots == sequences + checkpoints
+    t = a.submit(d, lambda r: None)
+    assert isinstance(t, Ticket)
+    totals = a.ledger.totals
+    assert (totals.requests, totals.sequences) == (1, sequences)
+    assert totals.kv_tokens == d.kv_tokens and totals.mamba_slots == d.mamba_slots
+    # The engine queue (limit 10) now holds `sequences`: a single-sequence request fits only if
+    # sequences + 1 <= 10, and another request as wide as this one does not.
+    one = demand.build(a.rules, 10, arrived_at=clock())
+    assert isinstance(a.submit(one, lambda r: None), Ticket)
+    wide = demand.build(a.rules, 10, arrived_at=clock(), prompts=prompts, samples=sequences // prompts)
+    w = a.submit(wide, lambda r: None)
+    assert isinstance(w, Waiter) and w.last is not None and w.last.reason is Reason.ENGINE_QUEUE
+    queue = next(c for c in w.last.checks if c.name == "engine_queue")
+    assert queue.need == sequences + 1 + sequences
+
+
+def test_a_request_wider_than_the_mamba_pool_is_unfit(clock: ManualClock) -> None:
+    """n=64 on a 51-slot pool can never run: rejected at once, not held for ever."""
+    a = Admission(small_policy(**LANE), clock)
+    a.update_snapshot(snapshot(clock()))
+    wide = demand.build(a.rules, 100, arrived_at=clock(), samples=64)
+    r = a.submit(wide, lambda r: None)
+    assert getattr(r, "reason", None) is Reason.UNFIT_REQUEST
+
+
+def test_a_request_alone_is_never_held_by_the_engine_queue(clock: ManualClock) -> None:
+    """Wider than max_requests but alone: admitted (it would otherwise wait for ever)."""
+    a = Admission(small_policy(**LANE), clock)
+    a.update_snapshot(snapshot(clock()))
+    assert isinstance(
+        a.submit(demand.build(a.rules, 10, arrived_at=clock(), samples=20), lambda r: None), Ticket
+    )
+
+
+def test_reprice_keeps_the_request_and_reprices_its_cost() -> None:
+    cheap, dear = small_policy(), small_policy(cost__activation_bytes_per_chunk_token=2048)
+    d = demand.build(
+        rules_of(cheap.policy), 1000, arrived_at=7.0, prompts=2, samples=3, priority=4, request_id="r"
+    )
+    again = demand.reprice(rules_of(dear.policy), d)
+    assert again.projected_bytes == 2 * d.projected_bytes
+    assert (again.prompts, again.sequences, again.priority, again.request_id, again.arrived_at) == (
+        2,
+        6,
+        4,
+        "r",
+        7.0,
+    )
