@@ -54,6 +54,9 @@ def state(app: SidecarApp) -> dict[str, Any]:
     e, g = snap.engine, snap.gpu
     return {
         "mode": "shadow" if a.shadow else "enforce",
+        # true only when started with --trust-emulator-sizes (load generation against the emulator):
+        # a client's `emulator.prompt_tokens` then replaces the counted prompt.
+        "trust_emulator_sizes": app.trust_emulator_sizes,
         "gate_open": app.gate_open(),
         "draining": a.draining,
         "headroom_bytes": headroom_bytes(a.rules, snap, ledger),
@@ -169,6 +172,7 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
                 dict(request.headers),
                 max_body_bytes=a.policy.limits.max_body_bytes,
                 path=request.query_params.get("path"),
+                accept_emulator=app.trust_emulator_sizes,
             )
         except BadRequest as e:
             return _err(e.status, e.message, e.code)

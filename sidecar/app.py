@@ -26,7 +26,8 @@ from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
 from sidecar.observe import StateCollector, Telemetry, register_process_metrics
 from sidecar.policy import LoadedPolicy, PolicyError
 from sidecar.policy_source import PolicySource
-from sidecar.proxy import Proxy, Receive, Scope, Send, make_session
+from sidecar.proxy import Proxy, Receive, Scope, Send, error_body, make_session, send_response
+from sidecar.routes import RouteTable, normalize_path
 from sidecar.signals.engine import EngineScraper, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
 from sidecar.tokens import CounterConfig, PromptCounter, TokenizerLoadError
@@ -48,6 +49,7 @@ class SidecarApp:
         max_connections: int = 1024,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 1800.0,
+        trust_emulator_sizes: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.upstream = upstream.rstrip("/")
@@ -60,13 +62,16 @@ class SidecarApp:
         self.admission = Admission(policy, clock, shadow=mode_shadow, observer=self.telemetry)
         self.telemetry.context = self._log_context
         self.counter = PromptCounter(self._counter_config(), engine_tokenize=self._engine_tokenize)
+        self.trust_emulator_sizes = trust_emulator_sizes
         self.proxy = Proxy(
             self.upstream,
             self.admission,
             self.counter,
             chunk_hint=self._chunk_hint,
             on_first_byte=self.telemetry.first_byte,
+            trust_declared_sizes=trust_emulator_sizes,
         )
+        self.routes = RouteTable(policy.policy.gated_paths)
         self.policy_source = PolicySource(
             policy_path, self.apply_policy, lambda: self.admission.loaded, self.telemetry.policy_reload
         )
@@ -85,11 +90,14 @@ class SidecarApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
-            # SGLang serves /generate on POST and PUT: both are generation requests.
-            if path in self.admission.policy.gated_paths and scope["method"] in ("POST", "PUT"):
-                await self.proxy(scope, receive, send, gated=True)
+            # Every variant the engine would route to a prefill route is gated (`/generate/`, `//generate`).
+            route = self.routes.match(path, scope["method"])
+            if route is not None:
+                await self.proxy(scope, receive, send, gated=True, route=route)
             elif path in ADMIN_PATHS:
                 await self.admin(scope, receive, send)
+            elif normalize_path(path) in self.routes.refused:
+                await send_response(send, _refused(path))
             else:
                 await self.proxy(scope, receive, send, gated=False)
         elif scope["type"] == "lifespan":
@@ -213,11 +221,21 @@ class SidecarApp:
         except TokenizerLoadError as e:
             raise PolicyError(loaded.path or "<policy>", [f"prompt.tokenizer_path: {e}"]) from None
         self.admission.reload(loaded)
+        self.routes = RouteTable(loaded.policy.gated_paths)
         # Pollers read their interval before each sleep: the new cadence applies from the next poll.
         if self.scraper is not None:
             self.scraper.interval_s = loaded.policy.engine.poll_interval_s
         if self.gpu_poller is not None:
             self.gpu_poller.interval_s = loaded.policy.gpu.poll_interval_s
+
+
+def _refused(path: str) -> tuple[int, list, bytes]:
+    return error_body(
+        403,
+        f"{path} prefills a body the sidecar cannot size (a file upload); send the request to "
+        "/generate with input_embeds instead",
+        "route_not_gated",
+    )
 
 
 def _round(v: float | None) -> float | None:

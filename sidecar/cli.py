@@ -61,6 +61,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     opt("--drain-timeout-s", type=float, metavar="S", help="SIGTERM: time for in-flight streams (default 30)")
     opt(
+        "--trust-emulator-sizes",
+        action="store_true",
+        default=None,
+        help="honour a client's emulator.prompt_tokens size declaration: only for load generation "
+        "against the emulator, never in front of a real engine (default off) [SIDECAR_TRUST_EMULATOR_SIZES]",
+    )
+    opt(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         help="(default info) [SIDECAR_LOG_LEVEL]",
@@ -195,6 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_connections=settings.max_connections,
         connect_timeout_s=settings.upstream_connect_timeout_s,
         read_timeout_s=settings.upstream_read_timeout_s,
+        trust_emulator_sizes=settings.trust_emulator_sizes,
     )
     return run_uvicorn(app, settings.host, settings.port, settings.log_level, settings.drain_timeout_s)
 

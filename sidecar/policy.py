@@ -20,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from sidecar.core.decision import Action
 from sidecar.core.rules import ExceedAction, HeadroomSource
+from sidecar.routes import LATEST, PREFILL_ROUTES
 from sidecar.yamlconf import ConfigError, load_model, read_text
 
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -227,7 +228,9 @@ class Limits(_Strict):
     max_body_bytes: Size = 32 * 1024 * 1024
 
 
-DEFAULT_GATED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+# Every route that makes the engine prefill is gated whatever this lists (sidecar/routes.py); a policy
+# adds paths here, e.g. for an engine mounted under a prefix.
+DEFAULT_GATED_PATHS = tuple(r.path for r in PREFILL_ROUTES[LATEST])
 
 
 class Policy(_Strict):

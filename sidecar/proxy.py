@@ -31,6 +31,7 @@ from sidecar.core.decision import Decision
 from sidecar.core.demand import Demand
 from sidecar.intake import demand_of
 from sidecar.requests import BadRequest, GenerationRequest, parse_generation
+from sidecar.routes import Route
 from sidecar.tokens import PromptCounter
 
 Scope = dict[str, Any]
@@ -162,9 +163,14 @@ class Proxy:
         *,
         chunk_hint: Callable[[], int | None] = lambda: None,
         on_first_byte: Callable[[float], None] = lambda seconds: None,
+        trust_declared_sizes: bool = False,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.on_first_byte = on_first_byte
+        # The emulator's `{"emulator": {"prompt_tokens": N}}` is the client's word about its own size:
+        # honoured only when the sidecar was started for load generation against the emulator.
+        self.trust_declared_sizes = trust_declared_sizes
+        self._origin = _origin(self.upstream)
         self.admission = admission
         self.counter = counter
         self.chunk_hint = chunk_hint
@@ -173,7 +179,9 @@ class Proxy:
 
     # -- entry ---------------------------------------------------------------------------------------
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send, gated: bool) -> None:
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, gated: bool, route: Route | None = None
+    ) -> None:
         if not gated:
             # Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives.
             try:
@@ -195,11 +203,14 @@ class Proxy:
             if gated:
                 self.admission.observer.outcome(Outcome.CLIENT_GONE)
             return
-        await _until_disconnect(self._gated(scope, body, send), receive)
+        if route is not None:
+            # Forward to the route the engine would serve, not to a variant it would redirect.
+            scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
+        await _until_disconnect(self._gated(scope, body, send, route), receive)
 
     # -- gated ---------------------------------------------------------------------------------------
 
-    async def _gated(self, scope: Scope, body: bytes, send: Send) -> None:
+    async def _gated(self, scope: Scope, body: bytes, send: Send, route: Route | None = None) -> None:
         policy = self.admission.policy
         parse = functools.partial(
             parse_generation,
@@ -207,6 +218,8 @@ class Proxy:
             body,
             _headers_dict(scope),
             max_body_bytes=policy.limits.max_body_bytes,
+            accept_emulator=self.trust_declared_sizes,
+            shape=route.shape if route is not None and route.shape else None,
         )
         try:
             # A 500K-token prompt is MBs of JSON (tens of ms to decode): off the loop, so other requests
@@ -304,7 +317,7 @@ class Proxy:
                 headers=_request_headers(scope, keep_length=keep_length),
                 allow_redirects=False,
             ) as resp:
-                headers = _response_headers(resp.raw_headers) + extra_headers
+                headers = _response_headers(resp.raw_headers, self._origin) + extra_headers
                 await send({"type": "http.response.start", "status": resp.status, "headers": headers})
                 started = True
                 first = True
@@ -465,9 +478,46 @@ def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[
     )
 
 
-def _response_headers(raw: tuple[tuple[bytes, bytes], ...]) -> list[tuple[bytes, bytes]]:
+def _response_headers(
+    raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b""
+) -> list[tuple[bytes, bytes]]:
     named = _connection_named(raw)
-    return [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_RESPONSE and k.lower() not in named]
+    out = []
+    for k, v in raw:
+        k = k.lower()
+        if k in _DROP_RESPONSE or k in named:
+            continue
+        if k in _LOCATION_HEADERS and origin:
+            v = _local_location(v, origin)
+        out.append((k, v))
+    return out
+
+
+_LOCATION_HEADERS = frozenset({b"location", b"content-location"})
+
+
+def _origin(upstream: str) -> bytes:
+    """``scheme://host:port`` of the engine, lower-cased, as it appears at the start of its redirects."""
+    u = URL(upstream)
+    return f"{u.scheme}://{u.raw_host}:{u.port}".lower().encode() if u.host else b""
+
+
+def _local_location(value: bytes, origin: bytes) -> bytes:
+    """A redirect to the engine's own address, made relative so the client stays behind the gate.
+
+    FastAPI answers ``/generate/`` with ``307 Location: http://<engine>/generate``: relayed as is, it
+    tells any client where the ungated engine listens and sends it there.
+    """
+    lowered = value.lower()
+    scheme, _, rest = origin.partition(b"://")
+    host, _, port = rest.rpartition(b":")
+    default = (scheme == b"http" and port == b"80") or (scheme == b"https" and port == b"443")
+    for prefix in (origin, scheme + b"://" + host) if default else (origin,):
+        if lowered.startswith(prefix) and lowered[len(prefix) : len(prefix) + 1] in (b"", b"/", b"?", b"#"):
+            return value[len(prefix) :] or b"/"
+    if lowered.startswith(b"//" + rest):  # scheme-relative
+        return value[len(rest) + 2 :] or b"/"
+    return value
 
 
 def _connection_named(headers: Any) -> frozenset[bytes]:

@@ -73,6 +73,10 @@ _PRIORITY_HEADERS = ("x-admission-priority", "x-priority")
 _INT_HEADER = re.compile(r"[+-]?[0-9]{1,18}")
 
 _MEDIA_KEYS = ("image_data", "video_data", "audio_data")
+# The largest integer any numeric field may hold (int64).
+MAX_INT = 2**63 - 1
+# Nesting the generic prompt walk follows before it calls a body malformed.
+_MAX_WALK_DEPTH = 32
 _EXPLAIN_KEYS = frozenset({"prompt_tokens", "max_new_tokens", "cached_tokens", "prefix_key", "priority"})
 
 
@@ -214,8 +218,12 @@ def parse_generation(
     *,
     max_body_bytes: int,
     accept_emulator: bool = True,
+    shape: str | None = None,
 ) -> GenerationRequest:
     """Parse a gated request's body, or raise :class:`BadRequest` saying what is wrong and where.
+
+    ``shape`` is the route's body shape (``sidecar.routes.Route.shape``); without one the path's
+    suffix, then the body's keys, tell it.
 
     ``headers`` is consulted only for a priority the body does not carry (``X-Admission-Priority``,
     then ``X-Priority``); keys may be in any case. The ``Content-Type`` header is deliberately not
@@ -229,7 +237,7 @@ def parse_generation(
     that long can call this through ``asyncio.to_thread`` (it is pure and thread-safe).
     """
     obj = _load_object(body, max_body_bytes)
-    kind = endpoint_kind(path) or _kind_from_keys(obj)
+    kind = shape or endpoint_kind(path) or _kind_from_keys(obj)
     if kind is None:
         raise BadRequest(
             400,
@@ -246,6 +254,7 @@ def parse_explain(
     *,
     max_body_bytes: int,
     path: str | None = None,
+    accept_emulator: bool = True,
 ) -> GenerationRequest:
     """Parse a ``POST /admission/explain`` body: a generation body, or ``{"prompt_tokens": N, ...}``.
 
@@ -256,8 +265,8 @@ def parse_explain(
 
     A generation body is parsed as the endpoint ``path`` names (e.g. from a ``?path=`` query), or,
     without one, as the shape its keys reveal (``messages``: chat, ``prompt``: completions,
-    ``text``/``input_ids``/``input_embeds``: /generate). The emulator extension is always honoured
-    here: explain forwards nothing, so a declared size cannot be abused.
+    ``text``/``input_ids``/``input_embeds``: /generate). ``accept_emulator`` follows the proxy's
+    setting, so explain answers what the gate would do with the same body.
     """
     obj = _load_object(body, max_body_bytes)
     if "prompt_tokens" in obj:
@@ -271,7 +280,7 @@ def parse_explain(
             'or {"prompt_tokens": N, "max_new_tokens"?: N, "cached_tokens"?: N}',
             "missing_prompt",
         )
-    return _from_object(path or EXPLAIN_PATH, kind, obj, headers, accept_emulator=True)
+    return _from_object(path or EXPLAIN_PATH, kind, obj, headers, accept_emulator=accept_emulator)
 
 
 # --- JSON --------------------------------------------------------------------------------------
@@ -339,8 +348,15 @@ def _wrong(where: str, expected: str, value: object) -> BadRequest:
     )
 
 
-def _opt_int(obj: Mapping[str, Any], key: str, where: str, *, minimum: int = 0) -> int | None:
-    """An optional integer field; an integral float (``5.0``) is accepted as JSON has one number type."""
+def _opt_int(
+    obj: Mapping[str, Any], key: str, where: str, *, minimum: int = 0, maximum: int = MAX_INT
+) -> int | None:
+    """An optional integer field; an integral float (``5.0``) is accepted as JSON has one number type.
+
+    Bounded above by ``MAX_INT`` (int64, what SGLang's own fields hold): ``1e308`` is an integral float
+    and ``99999999999999999999`` a valid JSON integer, and either would otherwise travel into the
+    cost arithmetic and come out as a 500.
+    """
     value = obj.get(key)
     if value is None:
         return None
@@ -355,6 +371,10 @@ def _opt_int(obj: Mapping[str, Any], key: str, where: str, *, minimum: int = 0) 
     if value < minimum:
         raise BadRequest(
             400, f'field "{where}" must be at least {minimum}, got {value}', "invalid_field", where
+        )
+    if value > maximum:
+        raise BadRequest(
+            400, f'field "{where}" must be at most {maximum}, got {value:.3g}', "invalid_field", where
         )
     return value
 
@@ -514,7 +534,7 @@ def _rids(obj: Mapping[str, Any], *, allow_list: bool) -> tuple[str | None, tupl
 def _priority(obj: Mapping[str, Any], headers: Mapping[str, str] | None) -> int | None:
     """Body ``priority`` (SGLang's own field) first; else a header, so clients that cannot change
     their body (an OpenAI SDK) can still be ordered by a gateway in front of us."""
-    body_priority = _opt_int(obj, "priority", "priority", minimum=-(2**63))
+    body_priority = _opt_int(obj, "priority", "priority", minimum=-MAX_INT - 1)
     if body_priority is not None or not headers:
         return body_priority
     found: dict[str, tuple[str, str]] = {}
@@ -612,9 +632,13 @@ def _from_object(
         "declared_cached_tokens": cached,
         "body_obj": obj,
     }
-    if kind == "generate":
+    if kind in ("generate", "embedding"):
         return _generate(obj, common, declared is not None)
-    return _openai(obj, kind, common, declared is not None)
+    if kind in ("completions", "chat"):
+        return _openai(obj, kind, common, declared is not None)
+    if kind in _OTHER_SHAPES:
+        return _other(obj, kind, common, declared is not None)
+    raise BadRequest(400, f"cannot tell the request shape of {path}", "missing_prompt")
 
 
 def _generate(obj: dict[str, Any], common: dict[str, Any], declared: bool) -> GenerationRequest:
@@ -715,6 +739,71 @@ def _openai(obj: dict[str, Any], kind: str, common: dict[str, Any], declared: bo
         n_texts=prompt.n_texts,
         parallel_samples=_opt_int(obj, "n", "n", minimum=1) or 1,
     )
+
+
+# Routes beyond the three generation APIs: where each body keeps its prompt and its output budget.
+# (prompt fields, output-budget field). Their prompts are counted as the texts and token ids found in
+# those fields, an upper bound where a field also carries names or roles.
+_OTHER_SHAPES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "input": (("input",), None),  # /v1/embeddings, /v1/classify
+    "responses": (("input", "instructions", "tools"), "max_output_tokens"),
+    "rerank": (("query", "documents"), None),
+    "score": (("query", "items"), None),
+    "messages": (("system", "messages", "tools"), "max_tokens"),  # Anthropic
+    "vertex": (("instances",), None),
+}
+
+
+def _other(obj: dict[str, Any], kind: str, common: dict[str, Any], declared: bool) -> GenerationRequest:
+    fields, budget_key = _OTHER_SHAPES[kind]
+    texts: list[str] = []
+    ids: list[list[int]] = []
+    for key in fields:
+        if obj.get(key) is not None:
+            _walk_prompt(obj[key], key, texts, ids, 0)
+    if kind == "rerank" and isinstance(obj.get("query"), str) and isinstance(obj.get("documents"), list):
+        # Each document is prefilled together with the query: the query counts once per document.
+        texts.extend([obj["query"]] * max(0, len(obj["documents"]) - 1))
+    if not texts and not ids and not declared:
+        raise BadRequest(
+            400,
+            "body has no prompt: expected " + " or ".join(f'"{f}"' for f in fields),
+            "missing_prompt",
+        )
+    max_new = _opt_int(obj, budget_key, budget_key) if budget_key else None
+    if kind == "vertex":
+        params = _opt_object(obj, "parameters", "parameters") or {}
+        sampling = _opt_object(params, "sampling_params", "parameters.sampling_params") or {}
+        max_new = _opt_int(sampling, "max_new_tokens", "parameters.sampling_params.max_new_tokens")
+    rid, rids = _rids(obj, allow_list=True)
+    return GenerationRequest(
+        **common,
+        max_new_tokens=max_new,
+        rid=rid,
+        rids=rids,
+        model=_opt_str(obj, "model", "model"),
+        batch_texts=tuple(texts) if texts else (),
+        batch_token_ids=tuple(ids) if not texts else (),
+        n_texts=max(1, len(texts) + len(ids)),
+    )
+
+
+def _walk_prompt(value: object, where: str, texts: list[str], ids: list[list[int]], depth: int) -> None:
+    """Collect every string and token-id list under ``value`` (keys and numbers are not prompt)."""
+    if depth > _MAX_WALK_DEPTH:
+        raise BadRequest(400, f'field "{where}" is nested too deeply', "invalid_field", where)
+    if isinstance(value, str):
+        if value:
+            texts.append(value)
+    elif isinstance(value, list):
+        if value and all(type(item) is int for item in value):
+            ids.append(_token_ids(value, where))
+            return
+        for index, item in enumerate(value):
+            _walk_prompt(item, f"{where}[{index}]", texts, ids, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _walk_prompt(item, f"{where}.{key}", texts, ids, depth + 1)
 
 
 def _explain_form(obj: dict[str, Any], headers: Mapping[str, str] | None) -> GenerationRequest:

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     # SIGTERM: stop admitting, let in-flight streams finish for up to this long.
     drain_timeout_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"
+    # Load generation against the emulator only: honour a client's `emulator.prompt_tokens` size
+    # declaration. Off in front of a real engine, where it would let any client bypass the gate.
+    trust_emulator_sizes: bool = False
 
     @field_validator("upstream")
     @classmethod

@@ -82,7 +82,9 @@ async def lane(
             upstream=upstream or engine_url,
             policy=policy,
             gpu_source=parse_gpu_source(f"file:{gpu_file}"),
-            **(app_kwargs or {}),
+            # Tests size their requests with the emulator declaration (`gen`); a test of the default
+            # passes trust_emulator_sizes=False.
+            **({"trust_emulator_sizes": True} | (app_kwargs or {})),
         )
         async with serve(app) as url:
             if upstream is None:

@@ -90,7 +90,12 @@ async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable
                 policy.sha256,
                 policy.path,
             )
-            app = SidecarApp(upstream=emu.url, policy=policy, gpu_source=parse_gpu_source(f"file:{gpu_file}"))
+            app = SidecarApp(
+                upstream=emu.url,
+                policy=policy,
+                gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+                trust_emulator_sizes=True,
+            )
             async with serve_app(app) as url, aiohttp.ClientSession() as session:
                 while app.admission.snapshot.engine is None:
                     await asyncio.sleep(0.01)

@@ -219,6 +219,8 @@ async def run_phase(
                         upstream=emu.url,
                         policy=policy,
                         gpu_source=parse_gpu_source("nvml" if cuda else f"file:{gpu_file}"),
+                        # The demo's clients describe 500K-token prompts to the emulator by size.
+                        trust_emulator_sizes=True,
                         decision_log=stack.enter_context((Path(tmp) / "decisions.jsonl").open("w")),
                     )
                     url = await stack.enter_async_context(serve_app(app))

@@ -1,0 +1,315 @@
+"""The holes issue #10 found by probing the sidecar from outside, each kept shut by a test.
+
+Real processes on loopback: a fake engine (or a real FastAPI one, since SGLang is FastAPI) and a real
+sidecar, raw HTTP from httpx. Every test also checks that each request ended in exactly one counted
+outcome and that the ledger is back to zero.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+
+from sidecar.admission import Outcome
+from sidecar.app import SidecarApp
+from sidecar.routes import LATEST, NOT_PREFILL, PREFILL_ROUTES, REFUSED_PATHS, Route, normalize_path
+from tests.harness import METRICS_TEMPLATE, FakeEngine, eventually, gen, lane, serve
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+
+# A prompt of ~200K tokens by the byte bound: it can never fit the test lane (see `_tight`).
+BIG_TEXT = "x" * 500_000
+# Per-context-token temporaries that make the big prompt need more than the 1 GiB the GPU file says.
+TIGHT = {"cost__context_bytes_per_token": "20KiB", "hold__max_held": 0}
+
+
+def outcomes(app: SidecarApp) -> dict[str, float]:
+    values = {
+        o.value: app.registry.get_sample_value("sglang_sidecar_requests_total", {"outcome": o.value}) or 0.0
+        for o in Outcome
+    }
+    return {k: v for k, v in values.items() if v}
+
+
+async def settled(app: SidecarApp, expected_requests: int) -> None:
+    """Exactly one outcome per request, ledger and queue back to zero."""
+    await eventually(lambda: sum(outcomes(app).values()) >= expected_requests)
+    assert sum(outcomes(app).values()) == expected_requests, outcomes(app)
+    await eventually(lambda: app.admission.ledger.totals.requests == 0 and app.admission.held == 0)
+
+
+# --- 1. the emulator's size declaration ----------------------------------------------------------
+
+
+async def test_declared_size_is_ignored_unless_started_for_the_emulator(tmp_path: Path) -> None:
+    body = {"text": BIG_TEXT, "emulator": {"prompt_tokens": 1}}
+    engine = FakeEngine()
+    kwargs = {"trust_emulator_sizes": False}
+    async with lane(tmp_path, engine, app_kwargs=kwargs, **TIGHT) as (url, app, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            state = (await client.get(url + "/admission/state")).json()
+            assert state["trust_emulator_sizes"] is False
+            r = await client.post(url + "/generate", json=body)
+            assert r.status_code == 503, r.text
+            assert engine.arrived == []
+            # explain agrees with the gate
+            e = await client.post(url + "/admission/explain", json=body)
+            assert e.json()["decision"] != "admit"
+        await settled(app, 1)
+
+
+async def test_declared_size_is_honoured_with_the_flag(tmp_path: Path) -> None:
+    body = {"text": BIG_TEXT, "emulator": {"prompt_tokens": 1}}
+    engine = FakeEngine()
+    async with lane(tmp_path, engine, app_kwargs={"trust_emulator_sizes": True}, **TIGHT) as (url, app, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert (await client.get(url + "/admission/state")).json()["trust_emulator_sizes"] is True
+            r = await client.post(url + "/generate", json=body)
+            assert r.status_code == 200
+        await settled(app, 1)
+
+
+def test_the_flag_is_off_by_default() -> None:
+    from sidecar.cli import build_parser
+    from sidecar.settings import Settings
+
+    s = Settings(upstream="http://127.0.0.1:1", policy="p.yaml")
+    assert s.trust_emulator_sizes is False
+    args = build_parser().parse_args(["serve", "--trust-emulator-sizes"])
+    assert args.trust_emulator_sizes is True
+
+
+# --- 2. path variants and redirects ------------------------------------------------------------
+
+VARIANTS = [
+    "/generate/",
+    "//generate",
+    "/generate//",
+    "/./generate",
+    "/v1/chat/completions/",
+    "/v1//chat/completions",
+    "/v1/./chat/completions",
+    "/v1/x/../chat/completions",
+    "/gen%65rate",
+]
+
+
+@pytest.mark.parametrize("path", VARIANTS)
+async def test_path_variants_are_gated(tmp_path: Path, path: str) -> None:
+    engine = FakeEngine()
+    async with lane(tmp_path, engine, app_kwargs={"trust_emulator_sizes": False}, **TIGHT) as (url, app, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(
+                url + path, json={"text": BIG_TEXT, "messages": [{"role": "user", "content": BIG_TEXT}]}
+            )
+            assert r.status_code == 503, (path, r.status_code, r.text[:200])
+            assert r.headers["x-admission-decision"] == "reject"
+            # a small one is admitted and reaches the route the engine serves, not a redirect
+            r = await client.post(
+                url + path, json={"text": "hi", "messages": [{"role": "user", "content": "hi"}]}
+            )
+            assert r.status_code == 200, (path, r.status_code, r.text[:200])
+            assert r.headers["x-admission-decision"] == "admit"
+        assert len(engine.arrived) == 1
+        await settled(app, 2)
+
+
+def test_normalize_path() -> None:
+    assert normalize_path("//generate/") == "/generate"
+    assert normalize_path("/v1/a/../chat/completions") == "/v1/chat/completions"
+    assert normalize_path("/") == "/"
+    assert normalize_path("") == "/"
+    assert normalize_path("/..") == "/"
+
+
+def fastapi_engine() -> FastAPI:
+    """SGLang's shape: FastAPI routes, with FastAPI's trailing-slash redirects."""
+    api = FastAPI()
+
+    @api.post("/generate")
+    async def generate(request: Request) -> dict[str, str]:
+        await request.body()
+        return {"text": "ok"}
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, list]:
+        return {"data": []}
+
+    @api.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(METRICS_TEMPLATE.format(running=0.0, queue=0.0))
+
+    return api
+
+
+async def test_a_redirect_never_names_the_engine(tmp_path: Path) -> None:
+    async with serve(fastapi_engine()) as engine_url:
+        # direct: FastAPI tells the client where the engine is
+        async with httpx.AsyncClient(timeout=10) as client:
+            direct = await client.get(engine_url + "/v1/models/")
+        assert direct.status_code == 307
+        assert direct.headers["location"].startswith(engine_url)
+        async with lane(tmp_path, FakeEngine(), upstream=engine_url) as (url, app, _):
+            await eventually(lambda: app.admission.snapshot.engine is not None)
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.get(url + "/v1/models/")
+                assert r.status_code == 307
+                assert r.headers["location"] == "/v1/models"
+                followed = await client.get(url + "/v1/models/", follow_redirects=True)
+                assert followed.status_code == 200
+                assert str(followed.url).startswith(url)
+                # a gated variant is forwarded to the route itself: no redirect at all
+                g = await client.post(url + "/generate/", json={"text": "hi"})
+                assert g.status_code == 200 and g.json() == {"text": "ok"}
+            await settled(app, 1)
+
+
+def test_location_rewrite() -> None:
+    from sidecar.proxy import _local_location, _origin
+
+    o = _origin("http://127.0.0.1:30000")
+    assert _local_location(b"http://127.0.0.1:30000/generate", o) == b"/generate"
+    assert _local_location(b"HTTP://127.0.0.1:30000", o) == b"/"
+    assert _local_location(b"//127.0.0.1:30000/x?y=1", o) == b"/x?y=1"
+    assert _local_location(b"http://127.0.0.1:300001/x", o) == b"http://127.0.0.1:300001/x"
+    assert _local_location(b"https://example.com/x", o) == b"https://example.com/x"
+    assert _local_location(b"/relative", o) == b"/relative"
+    d = _origin("http://engine")
+    assert _local_location(b"http://engine/generate", d) == b"/generate"
+    assert _local_location(b"http://engine:80/generate", d) == b"/generate"
+
+
+# --- 11. every prefill route ------------------------------------------------------------------
+
+SMALL_BODIES = {
+    "generate": {"text": "hi"},
+    "embedding": {"text": "hi"},
+    "completions": {"prompt": "hi"},
+    "chat": {"messages": [{"role": "user", "content": "hi"}]},
+    "input": {"input": "hi"},
+    "score": {"query": "hi", "items": ["a", "b"]},
+    "responses": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]},
+    "rerank": {"query": "hi", "documents": ["a", "b"]},
+    "messages": {"system": "s", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    "vertex": {"instances": [{"text": "hi"}], "parameters": {"sampling_params": {"max_new_tokens": 4}}},
+}
+
+
+def big(shape: str) -> dict:
+    return json.loads(json.dumps(SMALL_BODIES[shape]).replace('"hi"', json.dumps(BIG_TEXT)))
+
+
+async def test_every_prefill_route_is_gated_with_its_parser(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    routes = PREFILL_ROUTES[LATEST]
+    async with lane(tmp_path, engine, app_kwargs={"trust_emulator_sizes": False}, **TIGHT) as (url, app, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            for route in routes:
+                for method in route.methods:
+                    r = await client.request(method, url + route.path, json=big(route.shape))
+                    assert r.status_code == 503, (route, method, r.status_code, r.text[:300])
+                    assert r.json()["error"]["type"] == "admission_rejected"
+                    small = await client.request(method, url + route.path, json=SMALL_BODIES[route.shape])
+                    assert small.headers.get("x-admission-decision") == "admit", (route, small.text[:300])
+                    missing = await client.request(method, url + route.path, json={"nothing": 1})
+                    assert missing.status_code == 400, (route, missing.text[:300])
+            r = await client.post(url + "/generate_from_file", content=b"--x--")
+            assert r.status_code == 403
+        n = sum(len(r.methods) for r in routes)
+        await settled(app, 3 * n)
+        assert outcomes(app) == {"rejected": n, "completed": n, "bad_request": n}
+
+
+def sglang_route_table(version: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Paths and methods of SGLang's route decorators, recorded from its http_server.py."""
+    text = (FIXTURES / f"sglang-{version}-routes.txt").read_text()
+    rows = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            methods, path = line.split()
+            rows.append((path, tuple(methods.split(","))))
+    return rows
+
+
+@pytest.mark.parametrize("version", sorted(PREFILL_ROUTES))
+def test_route_list_matches_sglangs_route_table(version: str) -> None:
+    """Every POST/PUT route SGLang serves is either gated, refused, or known not to prefill: a route
+    added by a new SGLang version fails here until it is classified."""
+    ours: dict[str, Route] = {r.path: r for r in PREFILL_ROUTES[version]}
+    table = sglang_route_table(version)
+    theirs = {p for p, m in table}
+    unclassified = [
+        p
+        for p, methods in table
+        if set(methods) & {"POST", "PUT"}
+        and p not in ours
+        and p not in REFUSED_PATHS
+        and p not in NOT_PREFILL
+    ]
+    assert unclassified == []
+    assert set(ours) <= theirs, set(ours) - theirs
+    for path, methods in table:
+        if path in ours:
+            assert set(ours[path].methods) == set(methods) & {"POST", "PUT"}, path
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)
+
+
+# --- 8. numbers --------------------------------------------------------------------------------
+
+HUGE = ["1e308", "99999999999999999999", "9223372036854775808", "1e19"]
+
+
+@pytest.mark.parametrize("number", HUGE)
+async def test_huge_numbers_are_a_400_naming_the_field(tmp_path: Path, number: str) -> None:
+    engine = FakeEngine()
+    async with lane(tmp_path, engine) as (url, app, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            bodies = [
+                ("/admission/explain", f'{{"prompt_tokens": {number}}}', "prompt_tokens"),
+                (
+                    "/admission/explain",
+                    f'{{"prompt_tokens": 5, "max_new_tokens": {number}}}',
+                    "max_new_tokens",
+                ),
+                (
+                    "/generate",
+                    f'{{"text": "x", "emulator": {{"prompt_tokens": {number}}}}}',
+                    "emulator.prompt_tokens",
+                ),
+                (
+                    "/generate",
+                    f'{{"text": "x", "sampling_params": {{"max_new_tokens": {number}}}}}',
+                    "sampling_params.max_new_tokens",
+                ),
+                ("/v1/completions", f'{{"prompt": "x", "n": {number}}}', "n"),
+                ("/generate", f'{{"text": "x", "priority": {number}}}', "priority"),
+            ]
+            for path, body, field in bodies:
+                r = await client.post(url + path, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400, (path, body, r.status_code, r.text)
+                assert field in r.json()["error"]["message"], r.text
+            r = await client.post(url + "/generate", headers={"x-admission-priority": "9" * 30}, json=gen())
+            assert r.status_code == 400
+        await settled(app, 5)  # the two explain requests are not gated requests
+        assert engine.arrived == []
+
+
+async def test_a_huge_declared_size_is_judged_unfit(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    async with lane(tmp_path, engine) as (url, app, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            for tokens in (10**12, 2**63 - 1):
+                r = await client.post(url + "/generate", json=gen(stream=False, tokens=tokens))
+                assert r.status_code == 503, r.text
+                assert r.headers["x-admission-reason"] == "unfit_request"
+                e = await client.post(
+                    url + "/admission/explain", json={"prompt_tokens": tokens, "max_new_tokens": 2**63 - 1}
+                )
+                assert e.status_code == 200 and e.json()["reason"] == "unfit_request", e.text
+        await settled(app, 2)
