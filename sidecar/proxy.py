@@ -478,9 +478,7 @@ def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[
     )
 
 
-def _response_headers(
-    raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b""
-) -> list[tuple[bytes, bytes]]:
+def _response_headers(raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b"") -> list[tuple[bytes, bytes]]:
     named = _connection_named(raw)
     out = []
     for k, v in raw:

@@ -751,6 +751,10 @@ _OTHER_SHAPES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "score": (("query", "items"), None),
     "messages": (("system", "messages", "tools"), "max_tokens"),  # Anthropic
     "vertex": (("instances",), None),
+    "ollama_chat": (("messages",), None),
+    "ollama_generate": (("system", "prompt", "suffix", "context", "images"), None),
+    "decisions": (("input", "questions", "images"), None),
+    "systemone": (("state", "questions", "images"), None),
 }
 
 

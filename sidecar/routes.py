@@ -33,7 +33,7 @@ class Route:
 _POST = ("POST",)
 _POST_PUT = ("POST", "PUT")
 
-# SGLang 0.5.3 (http_server.py at sgl-project/sglang 0025436e): native and OpenAI-compatible routes.
+# SGLang 0.5.3 line (http_server.py at sgl-project/sglang commit 0025436e; evidence S18).
 _V0_5_3 = (
     Route("/generate", _POST_PUT, "generate"),
     Route("/encode", _POST_PUT, "embedding"),
@@ -49,15 +49,23 @@ _V0_5_3 = (
     Route("/invocations", _POST, "chat"),
     Route("/vertex_generate", _POST, "vertex"),
 )
-# 0.5.23 adds the Anthropic Messages API (sgl-project/sglang README_Anthropic_API.md).
-_V0_5_23 = (*_V0_5_3, Route("/v1/messages", _POST, "messages"))
+# SGLang 0.5.23 (the released wheel): adds Anthropic Messages, Ollama chat and generate (their
+# SGLANG_OLLAMA_*_ROUTE defaults), and the scoring-based decision APIs.
+_V0_5_23 = (
+    *_V0_5_3,
+    Route("/v1/messages", _POST, "messages"),
+    Route("/api/chat", _POST, "ollama_chat"),
+    Route("/api/generate", _POST, "ollama_generate"),
+    Route("/v1/decisions", _POST, "decisions"),
+    Route("/v1/systemone", _POST, "systemone"),
+)
 
 PREFILL_ROUTES: dict[str, tuple[Route, ...]] = {"0.5.3": _V0_5_3, "0.5.23": _V0_5_23}
 LATEST = "0.5.23"
 
-# `/generate_from_file` (multipart upload of input_embeds) cannot be sized from a JSON body: it is
-# refused rather than forwarded ungated (see ``REFUSED_PATHS``).
-REFUSED_PATHS = frozenset({"/generate_from_file"})
+# Prefill routes whose body is a file upload the sidecar cannot size from JSON: refused (403) rather
+# than forwarded ungated. `/generate_from_file` (input_embeds, 0.5.3) and audio transcription (0.5.23).
+REFUSED_PATHS = frozenset({"/generate_from_file", "/v1/audio/transcriptions"})
 
 # POST/PUT routes of SGLang that do not prefill (tokenizer, control, weights, profiling): forwarded
 # ungated. Listed so that a route a new SGLang version adds fails the route-table test until someone
@@ -102,6 +110,19 @@ NOT_PREFILL = frozenset(
         "/detokenize",
         "/v1/responses/{response_id}/cancel",
         "/v1/messages/count_tokens",
+        # 0.5.23
+        "/add_external_corpus",
+        "/remove_external_corpus",
+        "/hicache/storage-backend/clear",
+        "/hicache/storage-backend",
+        "/set_trace_level",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/weights_checker",
+        "/pd_role_switch",
+        "/load_lora_adapter_from_tensors",
+        "/api/show",
+        "/dumper/{method}",
     }
 )
 

@@ -21,7 +21,7 @@ from sidecar.app import SidecarApp
 from sidecar.routes import LATEST, NOT_PREFILL, PREFILL_ROUTES, REFUSED_PATHS, Route, normalize_path
 from tests.harness import METRICS_TEMPLATE, FakeEngine, eventually, gen, lane, serve
 
-FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+FIXTURES = Path(__file__).parent / "fixtures" / "routes"
 
 # A prompt of ~200K tokens by the byte bound: it can never fit the test lane (see `_tight`).
 BIG_TEXT = "x" * 500_000
@@ -198,6 +198,10 @@ SMALL_BODIES = {
     "rerank": {"query": "hi", "documents": ["a", "b"]},
     "messages": {"system": "s", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
     "vertex": {"instances": [{"text": "hi"}], "parameters": {"sampling_params": {"max_new_tokens": 4}}},
+    "ollama_chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    "ollama_generate": {"model": "m", "prompt": "hi"},
+    "decisions": {"input": "hi", "questions": [{"type": "noul", "question": "q?"}]},
+    "systemone": {"state": "hi", "model": "m", "questions": {"a": {"type": "noul", "question": "q?"}}},
 }
 
 
@@ -219,8 +223,9 @@ async def test_every_prefill_route_is_gated_with_its_parser(tmp_path: Path) -> N
                     assert small.headers.get("x-admission-decision") == "admit", (route, small.text[:300])
                     missing = await client.request(method, url + route.path, json={"nothing": 1})
                     assert missing.status_code == 400, (route, missing.text[:300])
-            r = await client.post(url + "/generate_from_file", content=b"--x--")
-            assert r.status_code == 403
+            for path in REFUSED_PATHS:
+                r = await client.post(url + path, content=b"--x--")
+                assert r.status_code == 403, path
         n = sum(len(r.methods) for r in routes)
         await settled(app, 3 * n)
         assert outcomes(app) == {"rejected": n, "completed": n, "bad_request": n}
@@ -228,7 +233,7 @@ async def test_every_prefill_route_is_gated_with_its_parser(tmp_path: Path) -> N
 
 def sglang_route_table(version: str) -> list[tuple[str, tuple[str, ...]]]:
     """Paths and methods of SGLang's route decorators, recorded from its http_server.py."""
-    text = (FIXTURES / f"sglang-{version}-routes.txt").read_text()
+    text = (FIXTURES / f"sglang-{version}.txt").read_text()
     rows = []
     for line in text.splitlines():
         if line.strip() and not line.startswith("#"):
