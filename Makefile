@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # promtool, prometheus, systemd-analyze for the deployment tests (scripts/tools.sh says how)
 TOOLS := .tools/bin/.installed
 
-.PHONY: demo test lint venv tools clean
+.PHONY: demo test lint venv tools clean bench-overhead
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: $(STAMP)
 test: $(STAMP) $(TOOLS)
 	$(BIN)/ruff check sidecar tests bench
 	$(BIN)/python -m pytest -q
+
+# Proxy overhead against nginx and direct (bench/overhead.py); ARGS="--quick" for a two-minute run.
+# nginx and wrk come from Debian's packages, extracted into .tools/ when they are not installed.
+bench-overhead: $(STAMP)
+	$(BIN)/python bench/overhead.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check sidecar tests bench

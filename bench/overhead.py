@@ -1,0 +1,682 @@
+"""What the sidecar costs on the data path, against nginx and against no proxy at all, in one run.
+
+Everything runs on 127.0.0.1 as separate processes: the constant-cost upstream (``bench/upstream.py``),
+Debian's nginx 1.22 in front of it (one worker, buffering off, upstream keep-alive) and the sidecar
+(``sglang-sidecar serve`` with a loop-lag probe, ``bench/probed_sidecar.py``), which polls the
+upstream's real-sized /metrics and a GPU source in the background the whole time. With 12 or more
+cores each server is pinned to its own cores (the upstream 4, nginx 2, the sidecar 2, wrk 4, the
+Python client 2); with fewer they share, and only the per-request CPU figures and the ratios mean
+much. nginx and wrk are Debian's packages, extracted into ``.tools/`` when not installed.
+
+Shapes (``load`` / ``kind`` in the rows):
+
+- saturation: wrk, 64 connections, as fast as the path answers: ``small`` (a small ``POST /generate``,
+  through the gate on the sidecar), ``small-passthrough`` (``GET /v1/models``), ``sse`` (a gated
+  ``POST /generate`` streaming 100 events of ~200 bytes). Latency figures are wrk's, whole responses.
+- paced: a Python client holds 64 streams that each receive 20 events/s, like decoding models; added
+  time to first byte and added inter-event gap, p50/p99, over direct.
+- large: gated requests carrying 64K, 128K and 500K-token prompts as text (~4 bytes a token) and as
+  ``input_ids``, one at a time; added time to first byte over direct, and the proxy's peak RSS (VmHWM,
+  reset before each kind) against its RSS before.
+- idle: the sidecar doing nothing but polling its signals; the loop-lag figures of that window.
+
+    make bench-overhead [ARGS="--quick"]      # or: .venv/bin/python bench/overhead.py --help
+
+Prints a table and the targets of issue #12, writes ``bench/results/overhead.json`` (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import debtools  # bench/ is not a package: imported from beside this file
+
+ROOT = Path(__file__).resolve().parents[1]
+CONCURRENCY = 64
+SSE_EVENTS = 100
+PACED_STREAMS = 64
+PACED_EVENTS_PER_S = 20
+LARGE_TOKENS = {"64k": 65_536, "128k": 131_072, "500k": 500_000}
+
+POLICY = """
+name: overhead-bench
+description: every gate open; the benchmark measures the path, not the decisions
+lane: {context_len: 1048576, chunked_prefill_size: 8192}
+cost: {activation_bytes_per_chunk_token: 1KiB, context_bytes_per_token: 1}
+engine_queue: {max_requests: 1000000}
+pending_prefill: {max_tokens: 1000000000}
+engine: {poll_interval_s: 0.5, max_age_s: 30, on_stale: admit}
+gpu: {poll_interval_s: 0.1, max_age_s: 30, on_stale: admit, required: false}
+hold: {max_held: 1000, max_wait_s: 60}
+"""
+
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+{user}
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; fastcgi_temp_path {tmp}/fcgi;
+  uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+  upstream engine {{ server 127.0.0.1:{upstream}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    client_max_body_size 0;
+    location / {{
+      proxy_pass http://engine;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      proxy_read_timeout 600s;
+    }}
+  }}
+}}
+"""
+
+WRK_DONE = """
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('WRKJSON {"requests":%d,"duration_us":%d,"errors":%d,"status_errors":%d,'
+    .. '"p50_us":%d,"p99_us":%d}\\n', summary.requests, summary.duration,
+    e.connect + e.read + e.write + e.timeout, e.status, latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and every descendant alive now (all threads included)."""
+    total = 0.0
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children = (task / "children").read_text().split()
+            total += sum(cpu_seconds(int(c)) for c in children)
+    return total
+
+
+def rss(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) in bytes."""
+    vals = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            vals[key] = int(rest.split()[0]) * 1024
+    return vals["VmRSS"], vals["VmHWM"]
+
+
+def reset_peak(pid: int) -> None:
+    """Reset VmHWM to the current RSS (Linux 4.0+: ``echo 5 > clear_refs``)."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+@dataclass
+class Cores:
+    """Which cores each process gets; ``None``: no pinning (too few cores to keep them apart)."""
+
+    upstream: list[int] | None = None
+    nginx: list[int] | None = None
+    sidecar: list[int] | None = None
+    wrk: list[int] | None = None
+    client: list[int] | None = None
+    upstream_workers: int = 1
+    wrk_threads: int = 2
+
+    @classmethod
+    def plan(cls) -> Cores:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 12:
+            return cls(wrk_threads=min(2, len(cpus)))
+        return cls(
+            upstream=cpus[0:4],
+            nginx=cpus[4:6],
+            sidecar=cpus[6:8],
+            wrk=cpus[8:12],
+            client=cpus[12:14] if len(cpus) >= 14 else cpus[8:12],
+            upstream_workers=4,
+            wrk_threads=4,
+        )
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+
+def _pinned(cores: list[int] | None) -> Any:
+    if cores is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+async def wait_up(url: str, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < end:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with s.get(url) as r:
+                    if r.status < 500:
+                        return
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up within {deadline_s:g} s")
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[str, Server]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_METRICS_REPEAT": str(args.metrics_repeat)}
+    up = Server("direct", f"http://127.0.0.1:{free_port()}")
+    ng = Server("nginx", f"http://127.0.0.1:{free_port()}")
+    sc = Server("sidecar", f"http://127.0.0.1:{free_port()}")
+    procs: list[subprocess.Popen[bytes]] = []
+    log = (tmp / "servers.log").open("wb")
+    try:
+        up.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "bench.upstream:app", "--port", up.url.rsplit(":", 1)[1],
+             "--workers", str(cores.upstream_workers), "--log-level", "warning", "--no-access-log"],
+            cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.upstream),
+        )  # fmt: skip
+        procs.append(up.proc)
+        nginx, nginx_env = debtools.ensure("nginx", args.tools_dir)
+        conf = tmp / "nginx.conf"
+        conf.write_text(
+            NGINX_CONF.format(
+                tmp=tmp,
+                upstream=up.url.rsplit(":", 1)[1],
+                port=ng.url.rsplit(":", 1)[1],
+                user="user root root;" if os.geteuid() == 0 else "",
+            )
+        )
+        ng.proc = subprocess.Popen(
+            [nginx, "-p", str(tmp), "-e", str(tmp / "nginx-error.log"), "-c", str(conf)],
+            env={**os.environ, **nginx_env}, stdout=log, stderr=log, preexec_fn=_pinned(cores.nginx),
+        )  # fmt: skip
+        procs.append(ng.proc)
+        ng.extra["version"] = subprocess.run(
+            [nginx, "-v"], env={**os.environ, **nginx_env}, capture_output=True, text=True
+        ).stderr.strip()
+        policy = tmp / "policy.yaml"
+        policy.write_text(POLICY)
+        gpu = args.gpu_source
+        if gpu is None:
+            gpu_file = tmp / "gpu.json"
+            gpu_file.write_text(json.dumps({"free_bytes": 100 << 30, "total_bytes": 141 << 30}))
+            gpu = f"file:{gpu_file}"
+        sc.extra["gpu_source"] = gpu
+        sc.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "probed_sidecar.py"), "serve", "--upstream", up.url,
+             "--listen", sc.url.removeprefix("http://"), "--policy", str(policy), "--gpu-source", gpu,
+             "--decision-log", os.devnull, "--log-level", "warning"],
+            cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.sidecar),
+        )  # fmt: skip
+        procs.append(sc.proc)
+        for url in (up.url + "/health", ng.url + "/health", sc.url + "/healthz"):
+            asyncio.run(wait_up(url))
+        time.sleep(1.0)  # a few polls, so the gate has signals
+        yield {"direct": up, "nginx": ng, "sidecar": sc}
+    except BaseException:
+        log.flush()
+        sys.stderr.write((tmp / "servers.log").read_text()[-4000:])
+        raise
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# shapes
+# --------------------------------------------------------------------------------------------------
+
+SMALL_BODY = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}})
+SSE_BODY = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": SSE_EVENTS}})
+
+
+def lua_script(tmp: Path, name: str, method: str, body: str | None) -> Path:
+    lines = [f'wrk.method = "{method}"']
+    if body is not None:
+        lines += [f"wrk.body = {json.dumps(body)}", 'wrk.headers["Content-Type"] = "application/json"']
+    path = tmp / f"{name}.lua"
+    path.write_text("\n".join(lines) + "\n" + WRK_DONE)
+    return path
+
+
+def wrk(args: argparse.Namespace, cores: Cores, url: str, script: Path, seconds: float) -> dict[str, Any]:
+    binary, env = debtools.ensure("wrk", args.tools_dir)
+    cmd = [binary, "-t", str(cores.wrk_threads), "-c", str(CONCURRENCY), "-d", f"{max(1, round(seconds))}s"]
+    cmd += ["--timeout", "10s", "-s", str(script), url]
+    out = subprocess.run(
+        cmd, env={**os.environ, **env}, capture_output=True, text=True, preexec_fn=_pinned(cores.wrk), check=True
+    )  # fmt: skip
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRKJSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no summary:\n{out.stdout}\n{out.stderr}")
+    return json.loads(line.removeprefix("WRKJSON "))
+
+
+def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], tmp: Path) -> list[dict]:
+    shapes = {
+        "small": ("/generate", "POST", SMALL_BODY, 1),
+        "small-passthrough": ("/v1/models", "GET", None, 0),
+        "sse": (f"/generate?events={SSE_EVENTS}", "POST", SSE_BODY, SSE_EVENTS),
+    }
+    rows = []
+    for kind, (path, method, body, events) in shapes.items():
+        script = lua_script(tmp, kind, method, body)
+        for name, s in srv.items():
+            wrk(
+                args, cores, s.url + path, script, 1
+            )  # warm: connections, caches, the sidecar's first-use paths
+            cpu0 = cpu_seconds(s.pid)
+            r = wrk(args, cores, s.url + path, script, args.seconds)
+            cpu = cpu_seconds(s.pid) - cpu0
+            dur = r["duration_us"] / 1e6
+            n = r["requests"]
+            rows.append(
+                row(
+                    name, "saturation", kind, CONCURRENCY,
+                    ttfb_p50_ms=r["p50_us"] / 1000, ttfb_p99_ms=r["p99_us"] / 1000,
+                    requests_per_s=n / dur,
+                    sse_events_per_s=n * events / dur if kind == "sse" else None,
+                    cpu_s_per_1000_requests=1000 * cpu / max(1, n),
+                    cpu_s_per_1000_events=1000 * cpu / max(1, n * events) if kind == "sse" else None,
+                    errors=r["errors"] + r["status_errors"],
+                )
+            )  # fmt: skip
+    return rows
+
+
+async def _paced(url: str, seconds: float) -> dict[str, Any]:
+    interval_ms = 1000 / PACED_EVENTS_PER_S
+    events = PACED_EVENTS_PER_S  # one-second streams, back to back
+    target = f"{url}/generate?events={events}&interval_ms={interval_ms:g}"
+    ttfb: list[float] = []
+    gaps: list[float] = []
+    errors = 0
+    deadline = time.perf_counter() + seconds
+    conn = aiohttp.TCPConnector(limit=PACED_STREAMS, force_close=False)
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def stream() -> None:
+            nonlocal errors
+            while time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                try:
+                    async with s.post(
+                        target, data=SSE_BODY, headers={"Content-Type": "application/json"}
+                    ) as r:
+                        last = None
+                        async for _chunk in r.content.iter_any():
+                            now = time.perf_counter()
+                            if last is None:
+                                ttfb.append(now - t0)
+                            else:
+                                gaps.append(now - last)
+                            last = now
+                        if r.status != 200:
+                            errors += 1
+                except aiohttp.ClientError:
+                    errors += 1
+
+        await asyncio.gather(*(stream() for _ in range(PACED_STREAMS)))
+    return {"ttfb": ttfb, "gaps": gaps, "errors": errors}
+
+
+def paced(args: argparse.Namespace, cores: Cores, srv: dict[str, Server]) -> list[dict]:
+    if cores.client is not None:
+        os.sched_setaffinity(0, cores.client)
+    results = {}
+    for name, s in srv.items():
+        cpu0 = cpu_seconds(s.pid)
+        results[name] = asyncio.run(_paced(s.url, args.seconds))
+        results[name]["cpu"] = cpu_seconds(s.pid) - cpu0
+    base = results["direct"]
+    rows = []
+    for name, r in results.items():
+        n_events = len(r["gaps"]) + len(r["ttfb"])
+        rows.append(
+            row(
+                name, "paced", "sse", PACED_STREAMS,
+                ttfb_p50_ms=1000 * pct(r["ttfb"], 0.5), ttfb_p99_ms=1000 * pct(r["ttfb"], 0.99),
+                added_ttfb_p50_ms=1000 * (pct(r["ttfb"], 0.5) - pct(base["ttfb"], 0.5)),
+                added_ttfb_p99_ms=1000 * (pct(r["ttfb"], 0.99) - pct(base["ttfb"], 0.99)),
+                inter_event_p99_ms=1000 * pct(r["gaps"], 0.99),
+                added_inter_event_p99_ms=1000 * (pct(r["gaps"], 0.99) - pct(base["gaps"], 0.99)),
+                requests_per_s=len(r["ttfb"]) / args.seconds,
+                sse_events_per_s=n_events / args.seconds,
+                cpu_s_per_1000_events=1000 * r["cpu"] / max(1, n_events),
+                cpu_s_per_1000_requests=1000 * r["cpu"] / max(1, len(r["ttfb"])),
+                errors=r["errors"],
+            )
+        )  # fmt: skip
+    return rows
+
+
+def large_body(kind: str) -> bytes:
+    form, size = kind.split("-")
+    tokens = LARGE_TOKENS[size]
+    if form == "ids":
+        ids = [(i * 7919) % 150_000 for i in range(tokens)]
+        return json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}).encode()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "engineers",
+    ]
+    text = " ".join(words[i % len(words)] for i in range(tokens))  # ~1 token a word, ~4.5 bytes each
+    return json.dumps({"text": text, "sampling_params": {"max_new_tokens": 1}}).encode()
+
+
+async def _large(url: str, body: bytes, reps: int) -> tuple[list[float], int]:
+    ttfb = []
+    errors = 0
+    async with aiohttp.ClientSession() as s:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            async with s.post(
+                url + "/generate", data=body, headers={"Content-Type": "application/json"}
+            ) as r:
+                ttfb.append(time.perf_counter() - t0)
+                await r.read()
+                errors += r.status != 200
+    return ttfb, errors
+
+
+def large(args: argparse.Namespace, cores: Cores, srv: dict[str, Server]) -> list[dict]:
+    rows = []
+    for form in ("text", "ids"):
+        for size in LARGE_TOKENS:
+            kind = f"{form}-{size}"
+            body = large_body(kind)
+            results = {}
+            for name, s in srv.items():
+                asyncio.run(_large(s.url, body, 1))  # warm: connection, first-use allocations
+                before, _ = rss(s.pid)
+                reset_peak(s.pid)
+                cpu0 = cpu_seconds(s.pid)
+                ttfb, errors = asyncio.run(_large(s.url, body, args.large_reps))
+                cpu = cpu_seconds(s.pid) - cpu0
+                _, peak = rss(s.pid)
+                results[name] = (ttfb, errors, cpu, before, peak)
+            base = results["direct"][0]
+            for name, (ttfb, errors, cpu, before, peak) in results.items():
+                rows.append(
+                    row(
+                        name, "large", kind, 1,
+                        ttfb_p50_ms=1000 * pct(ttfb, 0.5), ttfb_p99_ms=1000 * pct(ttfb, 0.99),
+                        added_ttfb_p50_ms=1000 * (pct(ttfb, 0.5) - pct(base, 0.5)),
+                        added_ttfb_p99_ms=1000 * (pct(ttfb, 0.99) - pct(base, 0.99)),
+                        requests_per_s=len(ttfb) / sum(ttfb),
+                        cpu_s_per_1000_requests=1000 * cpu / len(ttfb),
+                        peak_rss_bytes=peak, rss_before_bytes=before, body_bytes=len(body),
+                        errors=errors,
+                    )
+                )  # fmt: skip
+    return rows
+
+
+def lag(srv: dict[str, Server]) -> dict[str, Any]:
+    async def get() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.get(srv["sidecar"].url + "/__bench/lag") as r:
+            return await r.json()
+
+    return asyncio.run(get())
+
+
+ROW_FIELDS = (
+    "path", "load", "kind", "concurrency", "ttfb_p50_ms", "ttfb_p99_ms", "added_ttfb_p50_ms",
+    "added_ttfb_p99_ms", "inter_event_p99_ms", "added_inter_event_p99_ms", "requests_per_s",
+    "sse_events_per_s", "cpu_s_per_1000_events", "cpu_s_per_1000_requests", "peak_rss_bytes",
+    "rss_before_bytes", "body_bytes", "errors", "loop_lag_max_ms", "machine",
+)  # fmt: skip
+MACHINE = ""
+
+
+def row(path: str, load: str, kind: str, concurrency: int, **values: Any) -> dict[str, Any]:
+    r: dict[str, Any] = dict.fromkeys(ROW_FIELDS)
+    r.update(path=path, load=load, kind=kind, concurrency=concurrency, machine=MACHINE, **values)
+    return r
+
+
+def find(rows: list[dict], path: str, load: str, kind: str) -> dict | None:
+    return next((r for r in rows if (r["path"], r["load"], r["kind"]) == (path, load, kind)), None)
+
+
+def targets(rows: list[dict], lags: dict[str, dict]) -> list[dict[str, Any]]:
+    """Issue #12's targets, each with the measured value and whether it is met."""
+
+    def ratio(load: str, kind: str, metric: str) -> float | None:
+        sc, ng = find(rows, "sidecar", load, kind), find(rows, "nginx", load, kind)
+        if not sc or not ng or not ng[metric] or sc[metric] is None:
+            return None
+        return sc[metric] / ng[metric]
+
+    out = []
+
+    def target(
+        name: str, value: float | None, limit: float, unit: str, higher_is_better: bool = False
+    ) -> None:
+        met = None if value is None else (value >= limit if higher_is_better else value <= limit)
+        out.append({"target": name, "value": value, "limit": limit, "unit": unit, "met": met})
+
+    target(
+        "CPU per gated small request vs nginx",
+        ratio("saturation", "small", "cpu_s_per_1000_requests"),
+        5,
+        "x",
+    )
+    target(
+        "CPU per pass-through request vs nginx",
+        ratio("saturation", "small-passthrough", "cpu_s_per_1000_requests"), 3, "x",
+    )  # fmt: skip
+    target("SSE CPU per event vs nginx", ratio("saturation", "sse", "cpu_s_per_1000_events"), 1.2, "x")
+    sse = find(rows, "sidecar", "saturation", "sse")
+    target("SSE events/s through one sidecar", sse and sse["sse_events_per_s"], 20_000, "ev/s", True)
+    p = find(rows, "sidecar", "paced", "sse") or {}
+    target("paced: added TTFB p50", p.get("added_ttfb_p50_ms"), 1, "ms")
+    target("paced: added TTFB p99", p.get("added_ttfb_p99_ms"), 5, "ms")
+    target("paced: added inter-event p99", p.get("added_inter_event_p99_ms"), 2, "ms")
+    for kind in ("text-500k", "ids-500k"):
+        big = find(rows, "sidecar", "large", kind) or {}
+        target(f"large {kind}: added TTFB p50", big.get("added_ttfb_p50_ms"), 50, "ms")
+        if big.get("peak_rss_bytes"):
+            grown = (big["peak_rss_bytes"] - big["rss_before_bytes"]) / big["body_bytes"]
+            target(f"large {kind}: RSS per in-flight request / body size", grown, 2, "x")
+    target("loop stall while signals poll (idle)", lags.get("idle", {}).get("max_ms"), 5, "ms")
+    target("loop stall while signals poll (paced)", lags.get("paced", {}).get("max_ms"), 5, "ms")
+    return out
+
+
+def decision_microbench(n: int = 20_000) -> dict[str, float]:
+    """The pure decision in-process: p50/p99 of one ``Admission.evaluate`` on an open gate, in µs."""
+    from sidecar.admission import Admission
+    from sidecar.cost import request_cost
+    from sidecar.policy import load_policy_text
+    from sidecar.signals.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
+
+    loaded = load_policy_text(POLICY, "overhead-bench.yaml")
+    now = time.monotonic()
+    admission = Admission(loaded, time.monotonic)
+    engine = EngineSignals(
+        observed_at=now, running_requests=0, queue_requests=0, kv_available_tokens=10_000_000,
+        max_total_tokens=10_000_000, full_token_usage=0.0,
+    )  # fmt: skip
+    gpu = GpuSignals(observed_at=now, source="bench", devices=(DeviceMemory("gpu0", 100 << 30, 141 << 30),))
+    ok = SourceHealth(last_ok_at=now)
+    admission.update_snapshot(Snapshot(engine=engine, gpu=gpu, engine_health=ok, gpu_health=ok))
+    cost = request_cost(loaded.policy, 4096)
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        admission.evaluate(cost)
+        samples.append(time.perf_counter_ns() - t0)
+    return {"p50_us": pct(samples, 0.5) / 1000, "p99_us": pct(samples, 0.99) / 1000, "samples": n}
+
+
+def fmt(v: Any, scale: float = 1.0, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    return f"{v * scale:,.{digits}f}"
+
+
+def print_table(rows: list[dict], tg: list[dict], lags: dict[str, dict], micro: dict | None) -> None:
+    print(f"\nproxy overhead on {MACHINE}")
+    head = (
+        f"{'load':11}{'kind':18}{'path':8}{'req/s':>10}{'ev/s':>10}{'cpu ms/1k req':>14}{'cpu ms/1k ev':>13}"
+    )
+    head += (
+        f"{'ttfb p50':>9}{'p99':>8}{'+ttfb p50':>10}{'+p99':>8}{'+gap p99':>9}{'peak RSS MB':>12}{'err':>5}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['load']:11}{r['kind']:18}{r['path']:8}{fmt(r['requests_per_s'], 1, 0):>10}"
+            f"{fmt(r['sse_events_per_s'], 1, 0):>10}{fmt(r['cpu_s_per_1000_requests'], 1000):>14}"
+            f"{fmt(r['cpu_s_per_1000_events'], 1000):>13}{fmt(r['ttfb_p50_ms']):>9}{fmt(r['ttfb_p99_ms']):>8}"
+            f"{fmt(r['added_ttfb_p50_ms']):>10}{fmt(r['added_ttfb_p99_ms']):>8}"
+            f"{fmt(r['added_inter_event_p99_ms']):>9}{fmt(r['peak_rss_bytes'], 1e-6, 0):>12}{r['errors'] or 0:>5}"
+        )
+    print("\nsidecar event-loop lag (1 ms probe), per phase: " + ", ".join(
+        f"{k} max {fmt(v.get('max_ms'))} ms ({v.get('over_5ms', 0)} > 5 ms)" for k, v in lags.items()
+    ))  # fmt: skip
+    if micro:
+        print(f"decision in-process: p50 {micro['p50_us']:.1f} µs, p99 {micro['p99_us']:.1f} µs")
+    print("\ntargets (issue #12)")
+    for t in tg:
+        state = {True: "met", False: "NOT MET", None: "n/a"}[t["met"]]
+        print(f"  {t['target']:52} {fmt(t['value']):>10} {t['unit']:5} limit {t['limit']:g}  {state}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    global MACHINE
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short phases (under two minutes in all)")
+    ap.add_argument(
+        "--seconds", type=float, help="length of each saturation and paced phase (default 8, quick 2)"
+    )
+    ap.add_argument(
+        "--large-reps", type=int, help="requests per large-body kind and path (default 10, quick 3)"
+    )
+    ap.add_argument("--metrics-repeat", type=int, default=1, help="repeat the upstream's /metrics series k x")
+    ap.add_argument("--gpu-source", help="the sidecar's GPU source (default: a file:, nvml on a GPU host)")
+    ap.add_argument("--machine", help="label for the rows (default: cores and CPU model)")
+    ap.add_argument("--tools-dir", type=Path, default=debtools.TOOLS, help="where nginx/wrk are extracted")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "overhead.json")
+    ap.add_argument(
+        "--only", choices=("saturation", "paced", "large"), action="append", help="run only these"
+    )
+    args = ap.parse_args(argv)
+    args.seconds = args.seconds or (2.0 if args.quick else 8.0)
+    args.large_reps = args.large_reps or (3 if args.quick else 10)
+    MACHINE = args.machine or f"{os.cpu_count()} cores, {cpu_model()}"
+    phases = args.only or ["saturation", "paced", "large"]
+    cores = Cores.plan()
+    started = time.monotonic()
+    rows: list[dict] = []
+    lags: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="overhead-") as t, servers(args, cores, Path(t)) as srv:
+        lag(srv)
+        idle0 = {name: cpu_seconds(s.pid) for name, s in srv.items()}
+        time.sleep(args.seconds)
+        lags["idle"] = lag(srv)
+        # What each process burns with no traffic: the sidecar's pollers (and the 1 ms lag probe).
+        idle = {name: 1000 * (cpu_seconds(s.pid) - idle0[name]) / args.seconds for name, s in srv.items()}
+        for phase in phases:
+            rows += {"saturation": lambda: saturation(args, cores, srv, Path(t)),
+                     "paced": lambda: paced(args, cores, srv),
+                     "large": lambda: large(args, cores, srv)}[phase]()  # fmt: skip
+            lags[phase] = lag(srv)
+        versions = {"nginx": srv["nginx"].extra["version"], "gpu_source": srv["sidecar"].extra["gpu_source"]}
+    for r in rows:
+        if r["path"] == "sidecar":
+            r["loop_lag_max_ms"] = lags.get(r["load"], {}).get("max_ms")
+    micro = decision_microbench()
+    tg = targets(rows, lags)
+    print_table(rows, tg, lags, micro)
+    print("idle CPU, ms per s (pollers, lag probe): " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()))
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": MACHINE,
+        "cores": os.cpu_count(),
+        "pinning": vars(cores),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
+        "versions": {**versions, "python": platform.python_version()},
+        "wall_s": round(time.monotonic() - started, 1),
+        "rows": rows,
+        "loop_lag": lags,
+        "idle_cpu_ms_per_s": idle,
+        "decision_in_process": micro,
+        "targets": tg,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\nwrote {args.json} ({doc['wall_s']:g} s)")
+    return 0
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
