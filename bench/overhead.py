@@ -544,27 +544,30 @@ def targets(rows: list[dict], lags: dict[str, dict]) -> list[dict[str, Any]]:
 
 
 def decision_microbench(n: int = 20_000) -> dict[str, float]:
-    """The pure decision in-process: p50/p99 of one ``Admission.evaluate`` on an open gate, in µs."""
-    from sidecar.admission import Admission
-    from sidecar.cost import request_cost
+    """The pure core in-process: p50/p99 of one ``decide`` (a 4K-token request, open gate), in µs."""
+    from sidecar.core import demand as demands
+    from sidecar.core.decide import Situation, decide
+    from sidecar.core.ledger import LedgerTotals
+    from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
+    from sidecar.intake import rules_of
     from sidecar.policy import load_policy_text
-    from sidecar.signals.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
 
-    loaded = load_policy_text(POLICY, "overhead-bench.yaml")
+    rules = rules_of(load_policy_text(POLICY, "overhead-bench.yaml").policy)
     now = time.monotonic()
-    admission = Admission(loaded, time.monotonic)
     engine = EngineSignals(
         observed_at=now, running_requests=0, queue_requests=0, kv_available_tokens=10_000_000,
         max_total_tokens=10_000_000, full_token_usage=0.0,
     )  # fmt: skip
     gpu = GpuSignals(observed_at=now, source="bench", devices=(DeviceMemory("gpu0", 100 << 30, 141 << 30),))
     ok = SourceHealth(last_ok_at=now)
-    admission.update_snapshot(Snapshot(engine=engine, gpu=gpu, engine_health=ok, gpu_health=ok))
-    cost = request_cost(loaded.policy, 4096)
+    snap = Snapshot(engine=engine, gpu=gpu, engine_health=ok, gpu_health=ok)
+    situation = Situation(rules, snap, LedgerTotals(), now)
+    demand = demands.build(rules, 4096, arrived_at=now)
+    assert decide(demand, situation).admitted
     samples = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
-        admission.evaluate(cost)
+        decide(demand, situation)
         samples.append(time.perf_counter_ns() - t0)
     return {"p50_us": pct(samples, 0.5) / 1000, "p99_us": pct(samples, 0.99) / 1000, "samples": n}
 

@@ -7,6 +7,7 @@ dependency restarts the sidecar for the engine's outage.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import TYPE_CHECKING, Any
@@ -201,7 +202,8 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
             log.warning("policy upload from %s refused (401): missing or wrong bearer token", client)
             return _err(401, "missing or wrong bearer token", "unauthorized")
         try:
-            record = app.policy_source.upload(await request.body())
+            # In a worker thread: validation, the file's fsync and the tokenizer load all block.
+            record = await asyncio.to_thread(app.policy_source.upload, await request.body())
         except UploadRefused as e:
             body = {
                 "error": {"message": e.message, "type": "policy_refused", "code": e.code, "param": None},

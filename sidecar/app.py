@@ -8,6 +8,7 @@ started in the lifespan and feed new snapshots to the admission controller.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -61,7 +62,7 @@ class SidecarApp:
         register_process_metrics(self.registry)
         self.admission = Admission(policy, clock, shadow=mode_shadow, observer=self.telemetry)
         self.telemetry.context = self._log_context
-        self.counter = PromptCounter(self._counter_config(), engine_tokenize=self._engine_tokenize)
+        self.counter = PromptCounter(_counter_config(policy), engine_tokenize=self._engine_tokenize)
         self.trust_emulator_sizes = trust_emulator_sizes
         self.proxy = Proxy(
             self.upstream,
@@ -82,6 +83,12 @@ class SidecarApp:
         self._limits = (max_connections, connect_timeout_s, read_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
         self.control: httpx.AsyncClient | None = None
+        # The engine's /tokenize (opt-in) gets its own pool: a burst of long prompts must not queue
+        # the /metrics scraper behind it into stale signals.
+        self.tokenize_client: httpx.AsyncClient | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._model_paths_tried: tuple[str, ...] = ()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set at start-up; policy swaps run on it
         self.scraper: EngineScraper | None = None
         self.gpu_poller: GpuPoller | None = None
 
@@ -120,6 +127,7 @@ class SidecarApp:
                 return
 
     async def startup(self) -> None:
+        self._loop = asyncio.get_running_loop()
         policy = self.admission.policy
         if self.gpu_source is not None:
             self.gpu_poller = GpuPoller(
@@ -131,13 +139,19 @@ class SidecarApp:
         self.control = make_control_client(timeout_s=5.0)
         self.proxy.session = make_session(*self._limits)
         self.scraper = EngineScraper(
-            self.upstream, client=self.control, interval_s=policy.engine.poll_interval_s, clock=self.clock
+            self.upstream,
+            client=self.control,
+            interval_s=policy.engine.poll_interval_s,
+            clock=self.clock,
+            max_metrics_bytes=policy.engine.max_metrics_bytes,
         )
         self._tasks.append(asyncio.create_task(self.scraper.run(self._on_engine), name="engine-scraper"))
         if self.gpu_poller is not None:
             self._tasks.append(asyncio.create_task(self.gpu_poller.run(self._on_gpu), name="gpu-poller"))
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_from_file)
+            asyncio.get_running_loop().add_signal_handler(
+                signal.SIGHUP, lambda: self._spawn(self.reload_from_file(), "policy-reload")
+            )
 
     async def shutdown(self) -> None:
         for t in self._tasks:
@@ -146,10 +160,14 @@ class SidecarApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        for t in list(self._background):
+            t.cancel()
         if self.proxy.session is not None:
             await self.proxy.session.close()
         if self.control is not None:
             await self.control.aclose()
+        if self.tokenize_client is not None:
+            await self.tokenize_client.aclose()
         if self.gpu_source is not None:
             await self.gpu_source.aclose()
         self.telemetry.close()
@@ -159,6 +177,24 @@ class SidecarApp:
     def _on_engine(self, signals: EngineSignals | None, health: SourceHealth) -> None:
         snap = self.admission.snapshot
         self.admission.update_snapshot(replace(snap, engine=signals or snap.engine, engine_health=health))
+        self._adopt_engine_tokenizer()
+
+    def _adopt_engine_tokenizer(self) -> None:
+        """Count with the engine's own model's tokenizer.json when the policy names none (off the loop)."""
+        config = self.counter.config
+        paths = self.scraper.model_paths if self.scraper is not None else ()
+        if not paths or paths == self._model_paths_tried:
+            return
+        if config.tokenizer_path is not None or not config.tokenizer_from_engine:
+            return
+        self._model_paths_tried = paths
+        self._spawn(self.counter.adopt_engine_model(paths), "tokenizer-load")
+
+    def _spawn(self, work: Any, name: str) -> None:
+        task = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _on_gpu(self, signals: GpuSignals | None, health: SourceHealth) -> None:
         snap = self.admission.snapshot
@@ -169,15 +205,13 @@ class SidecarApp:
         return e.chunked_prefill_size if e else None
 
     async def _engine_tokenize(self, payload: dict[str, Any]) -> int | None:
-        assert self.control is not None
-        r = await self.control.post(self.upstream + "/tokenize", json=payload, timeout=30.0)
+        if self.tokenize_client is None:
+            self.tokenize_client = make_control_client(timeout_s=30.0, max_connections=16)
+        r = await self.tokenize_client.post(self.upstream + "/tokenize", json=payload)
         if r.status_code == 404:
             return None
         r.raise_for_status()
         return int(r.json()["count"])
-
-    def _counter_config(self, loaded: LoadedPolicy | None = None) -> CounterConfig:
-        return CounterConfig(**(loaded or self.admission.loaded).policy.prompt.model_dump())
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -210,21 +244,48 @@ class SidecarApp:
 
     # -- policy -----------------------------------------------------------------------------------
 
-    def reload_from_file(self) -> None:
-        """SIGHUP. Logged, recorded and counted by the policy source, like an upload."""
-        self.policy_source.reload_file()
+    async def reload_from_file(self) -> None:
+        """SIGHUP. Logged, recorded and counted by the policy source, like an upload; the file and the
+        tokenizer are read in a worker thread (see :meth:`apply_policy`)."""
+        await asyncio.to_thread(self.policy_source.reload_file)
 
     def apply_policy(self, loaded: LoadedPolicy) -> None:
-        """Swap the policy; a tokenizer that fails to load refuses the whole policy (raises PolicyError)."""
+        """Swap the policy; a tokenizer that fails to load refuses the whole policy (raises PolicyError).
+
+        The policy source calls this from a worker thread (SIGHUP, upload): the tokenizer is loaded
+        there, before anything changes, and only the swap runs on the event loop, so requests keep
+        flowing under the old policy meanwhile. Called on the loop itself (tests, embedding), it does
+        both in place.
+        """
+        config = _counter_config(loaded)
         try:
-            self.counter.config = self._counter_config(loaded)
+            tokenizer = self.counter.load_for(config)
         except TokenizerLoadError as e:
             raise PolicyError(loaded.path or "<policy>", [f"prompt.tokenizer_path: {e}"]) from None
+        loop = self._loop
+        if loop is None or _running_loop() is loop:
+            self._swap_policy(loaded, config, tokenizer)
+        else:
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+            def swap() -> None:
+                try:
+                    self._swap_policy(loaded, config, tokenizer)
+                    done.set_result(None)
+                except BaseException as exc:
+                    done.set_exception(exc)
+
+            loop.call_soon_threadsafe(swap)
+            done.result(timeout=60)
+
+    def _swap_policy(self, loaded: LoadedPolicy, config: CounterConfig, tokenizer: Any) -> None:
+        self.counter.swap(config, tokenizer)
         self.admission.reload(loaded)
         self.routes = RouteTable(loaded.policy.gated_paths)
         # Pollers read their interval before each sleep: the new cadence applies from the next poll.
         if self.scraper is not None:
             self.scraper.interval_s = loaded.policy.engine.poll_interval_s
+            self.scraper.max_metrics_bytes = loaded.policy.engine.max_metrics_bytes
         if self.gpu_poller is not None:
             self.gpu_poller.interval_s = loaded.policy.gpu.poll_interval_s
 
@@ -236,6 +297,17 @@ def _refused(path: str) -> tuple[int, list, bytes]:
         "/generate with input_embeds instead",
         "route_not_gated",
     )
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _counter_config(loaded: LoadedPolicy) -> CounterConfig:
+    return CounterConfig(**loaded.policy.prompt.model_dump())
 
 
 def _round(v: float | None) -> float | None:

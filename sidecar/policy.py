@@ -92,7 +92,10 @@ class Prompt(_Strict):
     why each default is an upper bound), so a policy can tune every one of them."""
 
     tokenizer_path: str | None = None
-    use_engine_tokenize: bool = True
+    # No tokenizer_path: the tokenizer.json of the model /server_info reports, when readable here.
+    tokenizer_from_engine: bool = True
+    # Opt-in: the engine's /tokenize costs it a second tokenizer pass per text prompt.
+    use_engine_tokenize: bool = False
     bytes_per_token: float = Field(default=2.5, gt=0)
     chat_overhead_tokens_per_message: int = Field(default=8, ge=0)
     # Qwen2.5's default system prompt (~20 tokens) plus the generation prompt, with room to spare.
@@ -199,6 +202,12 @@ class SignalPolicy(_Strict):
         return self
 
 
+class Engine(SignalPolicy):
+    # A /metrics page over this is a failed scrape, not an unbounded read: SGLang's is ~50 KB per
+    # scheduler (8 DP ranks with every scheduler's metrics: well under 4 MiB).
+    max_metrics_bytes: Size = Field(default=8 * 1024 * 1024, gt=0)
+
+
 class Gpu(SignalPolicy):
     # false: run without a GPU source (the VRAM constraint is off, and /admission/state says so).
     required: bool = True
@@ -245,7 +254,7 @@ class Policy(_Strict):
     mamba: Mamba | None = None
     engine_queue: EngineQueue
     pending_prefill: PendingPrefill
-    engine: SignalPolicy
+    engine: Engine
     gpu: Gpu
     hold: Hold
     limits: Limits = Limits()

@@ -32,7 +32,7 @@ from sidecar.core.demand import Demand
 from sidecar.intake import demand_of
 from sidecar.requests import BadRequest, GenerationRequest, parse_generation
 from sidecar.routes import Route
-from sidecar.tokens import PromptCounter
+from sidecar.tokens import PromptCounter, TokenCount
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -233,7 +233,7 @@ class Proxy:
             self.admission.observer.outcome(Outcome.CLIENT_GONE)
             raise
         try:
-            count = await self.counter.count(req)
+            count = await self.counter.count(req, admits=self._admits_now(req))
         except asyncio.CancelledError:
             self.admission.observer.outcome(Outcome.CLIENT_GONE)
             raise
@@ -261,6 +261,17 @@ class Proxy:
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
             extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
         await self._forward(scope, body, send, ticket, extra, req)
+
+    def _admits_now(self, req: GenerationRequest) -> Callable[[TokenCount], bool]:
+        """Would ``req`` be admitted now at this count? The counter tokenizes only when the answer is no."""
+
+        def admits(count: TokenCount) -> bool:
+            demand = demand_of(
+                self.admission.rules, req, count, now=self.admission.clock(), chunk=self.chunk_hint()
+            )
+            return self.admission.evaluate(demand).admitted
+
+        return admits
 
     async def _acquire(self, demand: Demand) -> Ticket | Rejection:
         loop = asyncio.get_running_loop()

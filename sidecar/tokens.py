@@ -11,13 +11,24 @@ Methods, cheapest exact one first (:meth:`PromptCounter.count`):
    its size; it is how the project's emulator and load generators describe 500K-token prompts
    without sending megabytes (whether to trust it is decided when parsing, ``accept_emulator``).
 2. ``input_ids`` / ``input_embeds``: the engine will tokenize nothing, so the length is the count.
-3. ``tokenizer``: a local HF ``tokenizer.json`` (``tokenizers.Tokenizer.from_file``), when the policy
-   names one. Exact for text prompts; for chat, the contents are exact and the template is bounded.
-4. ``engine``: SGLang's own ``/tokenize`` (0.5.5+), through an injected async callable so the proxy
-   wires its own HTTP client and this module stays free of I/O. It applies the server's own chat
-   template, so chat counts are exact too. A 404 is remembered (0.5.1 has no such endpoint) so the
-   engine is not asked again; any other failure falls through for this request only.
+3. ``tokenizer``: a local HF ``tokenizer.json`` (``tokenizers.Tokenizer.from_file``): the one the
+   policy names, else the one in the model directory the engine reports in ``/server_info`` when this
+   host can read it (:meth:`PromptCounter.adopt_engine_model`). Exact for text prompts; for chat, the
+   contents are exact and the template is bounded. Prompts over ``thread_threshold_chars`` are
+   encoded in a worker thread.
+4. ``engine``: SGLang's own ``/tokenize`` (0.5.5+), **only when the policy opts in**
+   (``use_engine_tokenize``): every call costs the engine a second tokenizer pass on its own event
+   loop and ships the prompt again. Through an injected async callable, so the app wires it to its
+   own connection pool (never the scraper's) and this module stays free of I/O. It applies the
+   server's own chat template, so chat counts are exact too. A 404 is remembered (0.5.1 has no such
+   endpoint) so the engine is not asked again; any other failure falls through for this request only.
 5. ``bytes``: ``ceil(utf8_bytes / bytes_per_token)``, a bound that needs nothing but the text.
+
+Counting only when the count decides: when an exact method would cost a tokenizer pass (3 or 4), the
+caller may pass ``admits``; the counter first offers it ``bound``, a strict upper bound (every token of
+a byte-level BPE, SentencePiece-with-byte-fallback or word-level tokenizer is at least one UTF-8 byte,
+so the prompt's bytes, plus the template bounds, can only over-count), and tokenizes only when that
+bound would not be admitted. An open gate then costs no tokenizer pass at all.
 
 Chat templates add tokens the contents do not show: per message (ChatML's ``<|im_start|>role\\n`` ...
 ``<|im_end|>\\n`` is 5 tokens on Qwen), per request (the generation prompt ``<|im_start|>assistant\\n``,
@@ -37,9 +48,11 @@ raise it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import os
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +68,7 @@ __all__ = [
     "PromptCounter",
     "TokenCount",
     "TokenizerLoadError",
+    "find_tokenizer_file",
     "load_tokenizer",
 ]
 
@@ -82,8 +96,11 @@ class CounterConfig:
 
     - ``tokenizer_path``: the lane's ``tokenizer.json`` (the one the engine loads); None: no local
       tokenizer.
-    - ``use_engine_tokenize``: ask the engine's ``/tokenize`` when there is no local tokenizer. It costs
-      the engine a tokenizer pass on its own event loop, which is why the local file comes first.
+    - ``tokenizer_from_engine``: with no ``tokenizer_path``, use the ``tokenizer.json`` of the model the
+      engine reports in ``/server_info`` (``tokenizer_path``/``model_path``: a local directory, or a
+      Hugging Face id found in this host's HF cache) when it is readable.
+    - ``use_engine_tokenize``: ask the engine's ``/tokenize`` when there is no local tokenizer. Off by
+      default: it costs the engine a tokenizer pass on its own event loop for every text prompt.
     - ``bytes_per_token``: the fallback divisor, 2.5. Qwen-family BPE (152K vocabulary) averages ~3.5-4.5
       UTF-8 bytes per token on English and code, while CJK text runs ~1.5-3 (a CJK character is 3 bytes
       and often one token on its own). Dividing by 2.5 over-counts most text by 40-80 %, conservative
@@ -97,22 +114,26 @@ class CounterConfig:
     - ``chat_overhead_tokens_tools``: added once when the request has ``tools``: Qwen's tool-use
       instruction boilerplate is ~150 tokens; the tools' own JSON is counted separately as text.
     - ``tokens_per_media_item``: each image/video/audio item, 16,384 (Qwen2-VL's default pixel cap).
-    - ``thread_threshold_chars``: prompts longer than this (64 Ki characters, ~16K tokens, a few ms of
+    - ``thread_threshold_chars``: prompts longer than this (16 Ki characters, ~4K tokens, about 1 ms of
       encoding; characters because measuring UTF-8 bytes would itself walk the text) are encoded in a
-      worker thread, so a 500K-token prompt (~0.5-1 s to encode) does not stall
-      every other request on the event loop.
+      worker thread, so a 500K-token prompt (~0.5-1 s to encode) does not stall every other request
+      on the event loop (the loop's budget is 5 ms, issue #12).
     - ``engine_tokenize_timeout_s``: give up on the engine's answer after this long and use the bound.
+    - ``special_tokens_bound``: tokens a tokenizer may add around a text prompt (BOS/EOS and the like)
+      on top of one per byte, in the strict ``bound``.
     """
 
     tokenizer_path: str | Path | None = None
-    use_engine_tokenize: bool = True
+    tokenizer_from_engine: bool = True
+    use_engine_tokenize: bool = False
     bytes_per_token: float = 2.5
     chat_overhead_tokens_per_message: int = 8
     chat_overhead_tokens_fixed: int = 64
     chat_overhead_tokens_tools: int = 256
     tokens_per_media_item: int = 16_384
-    thread_threshold_chars: int = 64 * 1024
+    thread_threshold_chars: int = 16 * 1024
     engine_tokenize_timeout_s: float = 10.0
+    special_tokens_bound: int = 8
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.bytes_per_token) and self.bytes_per_token > 0):
@@ -123,6 +144,7 @@ class CounterConfig:
             "chat_overhead_tokens_tools",
             "tokens_per_media_item",
             "thread_threshold_chars",
+            "special_tokens_bound",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)!r}")
@@ -151,6 +173,32 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tokenizer
 
 
+def find_tokenizer_file(path: str) -> Path | None:
+    """The ``tokenizer.json`` that ``path`` names (a file, a model directory, or an HF id), if readable.
+
+    An HF id (``Qwen/Qwen3-8B``) is looked up in this host's Hugging Face cache
+    (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or ``~/.cache/huggingface/hub``), newest snapshot first,
+    which is where SGLang downloads it when the engine runs on the same host.
+    """
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    candidates = [p] if p.name == "tokenizer.json" else [p / "tokenizer.json"]
+    if not p.is_absolute() and path.count("/") == 1:
+        hub = os.environ.get("HF_HUB_CACHE") or str(
+            Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub"
+        )
+        snapshots = Path(hub).expanduser() / ("models--" + path.replace("/", "--")) / "snapshots"
+        with contextlib.suppress(OSError):
+            found = sorted(snapshots.glob("*/tokenizer.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+            candidates += found
+    for c in candidates:
+        with contextlib.suppress(OSError):
+            if c.is_file() and os.access(c, os.R_OK):
+                return c
+    return None
+
+
 def _utf8_len(text: str) -> int:
     # JSON allows lone surrogates ("\ud800"); count them as the 3 bytes they would take.
     return len(text.encode("utf-8", "surrogatepass"))
@@ -172,9 +220,11 @@ class PromptCounter:
     proxy that already loaded it); otherwise ``config.tokenizer_path`` is loaded here, so a missing or
     broken file fails at start-up with :class:`TokenizerLoadError` rather than on the first request.
 
-    ``config`` may be replaced on a policy reload (``counter.config = new``): a changed
-    ``tokenizer_path`` is loaded then, and a file that cannot be loaded raises
-    :class:`TokenizerLoadError` and leaves the running configuration and tokenizer in force.
+    ``config`` may be replaced on a policy reload: :meth:`load_for` loads a changed ``tokenizer_path``
+    (a tokenizer.json is MBs of JSON, 0.1-1 s to load: off the event loop), then :meth:`swap` installs
+    it; :meth:`reconfigure` does both from a coroutine, the ``config`` setter on the calling thread. A
+    file that cannot be loaded raises :class:`TokenizerLoadError` and leaves the running configuration
+    and tokenizer in force.
     """
 
     def __init__(
@@ -188,7 +238,9 @@ class PromptCounter:
         if tokenizer is None and config.tokenizer_path is not None:
             tokenizer = load_tokenizer(config.tokenizer_path)
         self._config = config
-        self._tokenizer = tokenizer
+        self._policy_tokenizer = tokenizer
+        self._engine_tokenizer: Tokenizer | None = None
+        self.engine_tokenizer_source: str | None = None  # the file adopted from /server_info, if any
         self._engine_tokenize = engine_tokenize
         self._engine_missing = False
 
@@ -198,10 +250,58 @@ class PromptCounter:
 
     @config.setter
     def config(self, config: CounterConfig) -> None:
-        if config.tokenizer_path != self._config.tokenizer_path:
-            # Load first: a bad path must not leave the counter half-switched.
-            self._tokenizer = None if config.tokenizer_path is None else load_tokenizer(config.tokenizer_path)
+        self.swap(config, self.load_for(config))
+
+    def load_for(self, config: CounterConfig) -> Tokenizer | None:
+        """The tokenizer ``config`` names, loaded now if it differs from the running one (blocking:
+        call it off the event loop). Raises :class:`TokenizerLoadError`; nothing is changed here."""
+        if config.tokenizer_path == self._config.tokenizer_path:
+            return self._policy_tokenizer
+        return None if config.tokenizer_path is None else load_tokenizer(config.tokenizer_path)
+
+    async def reconfigure(self, config: CounterConfig) -> None:
+        """Switch to ``config``, loading a changed tokenizer in a worker thread first."""
+        self.swap(config, await asyncio.to_thread(self.load_for, config))
+
+    def swap(self, config: CounterConfig, tokenizer: Tokenizer | None) -> None:
+        """Install ``config`` and its already-loaded tokenizer (None: the policy names none)."""
         self._config = config
+        self._policy_tokenizer = tokenizer
+
+    @property
+    def _tokenizer(self) -> Tokenizer | None:
+        """The policy's tokenizer, else the engine's model's one (when allowed and found)."""
+        if self._policy_tokenizer is not None or self._config.tokenizer_path is not None:
+            return self._policy_tokenizer
+        return self._engine_tokenizer if self._config.tokenizer_from_engine else None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    async def adopt_engine_model(self, paths: Iterable[str]) -> str | None:
+        """Load the ``tokenizer.json`` of the model the engine serves, if this host can read it.
+
+        ``paths``: what ``/server_info`` reports (``tokenizer_path``, ``model_path``), best first: a
+        directory, a ``tokenizer.json`` file, or a Hugging Face id looked up in the local HF cache.
+        Loaded in a worker thread. Returns the file adopted, or None (then counting stays as it was:
+        the policy's tokenizer, ``/tokenize`` when opted in, or the bytes bound).
+        """
+        for candidate in paths:
+            found = find_tokenizer_file(candidate)
+            if found is None:
+                continue
+            if str(found) == self.engine_tokenizer_source:
+                return self.engine_tokenizer_source
+            try:
+                tokenizer = await asyncio.to_thread(load_tokenizer, found)
+            except TokenizerLoadError as exc:
+                log.warning("engine's model tokenizer unusable (%s); counting without it", exc)
+                continue
+            self._engine_tokenizer, self.engine_tokenizer_source = tokenizer, str(found)
+            log.info("counting prompt tokens with %s (the engine's model, from /server_info)", found)
+            return self.engine_tokenizer_source
+        return None
 
     @property
     def engine_tokenize_available(self) -> bool:
@@ -216,8 +316,43 @@ class PromptCounter:
         """Ask the engine again, e.g. after it restarted with a new version (``/server_info`` changed)."""
         self._engine_missing = False
 
-    async def count(self, req: GenerationRequest) -> TokenCount:
-        """The prompt tokens of ``req`` (summed over a batch), by the first method that applies."""
+    def bound(self, req: GenerationRequest) -> TokenCount | None:
+        """A strict upper bound on the prompt's tokens, when counting exactly would cost a tokenizer pass.
+
+        None when :meth:`count` is already cheap (a declared size, token ids, or no tokenizer at all,
+        where the count is the bytes bound itself). One token per UTF-8 byte plus
+        ``special_tokens_bound`` per text (the template bounds for chat): no tokenizer of the kinds
+        named in the module docstring can emit more.
+        """
+        if (
+            req.declared_prompt_tokens is not None
+            or req.input_embeds_tokens is not None
+            or req.prompt_token_ids is not None
+            or req.batch_token_ids
+        ):
+            return None
+        if not (self._tokenizer is not None or self.engine_tokenize_available):
+            return None
+        per_item = self._config.tokens_per_media_item
+        if req.messages is not None:
+            parts = self._chat_parts(req)
+            tokens = sum(_utf8_len(t) for t in parts.texts) + parts.overhead + parts.media * per_item
+            return TokenCount(tokens, False, "bound")
+        texts = [req.prompt_text] if req.prompt_text is not None else list(req.batch_texts)
+        if not texts:
+            return None
+        special = self._config.special_tokens_bound
+        tokens = sum(_utf8_len(t) + special for t in texts) + req.media_items * per_item
+        return TokenCount(tokens, False, "bound")
+
+    async def count(
+        self, req: GenerationRequest, *, admits: Callable[[TokenCount], bool] | None = None
+    ) -> TokenCount:
+        """The prompt tokens of ``req`` (summed over a batch), by the first method that applies.
+
+        ``admits``: would the gate admit a request of this many tokens right now? When it says yes
+        to the strict :meth:`bound`, that bound is the answer and nothing is tokenized.
+        """
         if req.declared_prompt_tokens is not None:
             return TokenCount(req.declared_prompt_tokens, True, "declared")
         if req.input_embeds_tokens is not None:
@@ -226,6 +361,8 @@ class PromptCounter:
             return TokenCount(len(req.prompt_token_ids), True, "input_ids")
         if req.batch_token_ids:
             return TokenCount(sum(len(ids) for ids in req.batch_token_ids), True, "input_ids")
+        if admits is not None and (upper := self.bound(req)) is not None and admits(upper):
+            return upper
 
         if req.messages is not None:
             return await self._count_chat(req)

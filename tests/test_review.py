@@ -502,10 +502,14 @@ def test_no_await_between_decision_and_charge(clock: ManualClock) -> None:
 
 
 async def test_client_leaving_while_tokens_are_counted(tmp_path: Path) -> None:
-    """An await point before the decision: the engine's /tokenize. The client leaves there: one
-    client_gone, nothing charged, nothing forwarded."""
+    """An await point before the decision: the engine's /tokenize (opted in, and asked because the
+    prompt's upper bound does not fit). The client leaves there: one client_gone, nothing charged,
+    nothing forwarded."""
     engine = OddEngine()
-    async with lane(tmp_path, engine) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
+    async with (
+        lane(tmp_path, engine, free_mib=0, prompt__use_engine_tokenize=True) as (url, app, _),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
         task = asyncio.create_task(client.post(url + "/generate", json={"text": "hello", "stream": True}))
         await eventually(lambda: "/tokenize" in engine.arrived)
         task.cancel()

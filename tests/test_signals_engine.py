@@ -597,3 +597,76 @@ async def test_run_survives_unexpected_errors_and_a_failing_callback(respx_mock,
     updates = await collect(scraper(client).run, 3, explode_once)
     assert updates[0][0] is None and updates[0][1].last_error == "boom"
     assert all(isinstance(v, EngineSignals) for v, _ in updates[1:])
+
+
+# --- the scrape's size bound, and parsing off the event loop -------------------------------------
+
+
+def metrics_server(page: bytes, *, chunked: bool) -> object:
+    """A real server whose /metrics answers ``page``, with a Content-Length or chunked (none)."""
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] == "lifespan":
+            from tests.harness import answer_lifespan
+
+            await answer_lifespan(receive, send)
+            return
+        headers = [(b"content-type", b"text/plain; version=0.0.4")]
+        if not chunked:
+            headers.append((b"content-length", str(len(page)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if chunked:
+            for i in range(0, len(page), 16384):
+                await send({"type": "http.response.body", "body": page[i : i + 16384], "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            await send({"type": "http.response.body", "body": page})
+
+    return app
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_a_metrics_page_over_the_bound_is_a_failed_scrape(chunked: bool) -> None:
+    from tests.harness import serve
+
+    page = BUSY.encode()
+    async with serve(metrics_server(page, chunked=chunked)) as url:
+        async with EngineScraper(url, max_metrics_bytes=len(page)) as scraper:
+            assert (await scraper.poll_once()).running_requests == 1
+        async with EngineScraper(url, max_metrics_bytes=len(page) - 1) as scraper:
+            with pytest.raises(
+                EngineUnavailable, match=r"over the [\d,]+-byte bound.*engine\.max_metrics_bytes"
+            ):
+                await scraper.poll_once()
+
+
+async def test_metrics_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import sidecar.signals.engine as engine_module
+    from tests.harness import serve
+
+    threads: list[threading.Thread] = []
+    real = engine_module.read_metrics
+
+    def spy(text: str, *, version: str | None = None):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread())
+        return real(text, version=version)
+
+    monkeypatch.setattr(engine_module, "read_metrics", spy)
+    async with serve(metrics_server(BUSY.encode(), chunked=False)) as url, EngineScraper(url) as scraper:
+        assert (await scraper.poll_once()).kv_available_tokens == 141178
+    assert threads and threading.current_thread() not in threads
+
+
+def test_the_line_filter_changes_no_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropping the series nobody reads before parsing gives the same reading on every fixture."""
+    import sidecar.signals.engine as engine_module
+
+    def seen(texts: tuple[str, ...]) -> list[tuple[object, ...]]:
+        return [(r.fields, r.pids, r.sglang_families > 0) for r in map(read_metrics, texts)]
+
+    texts = (BUSY, BUSY_OPENMETRICS, IDLE_DENSE, FRESH_DENSE)
+    filtered = seen(texts)
+    monkeypatch.setattr(engine_module, "_relevant_lines", lambda text: text)
+    assert filtered == seen(texts)

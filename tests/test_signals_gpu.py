@@ -548,3 +548,28 @@ async def test_nvml_reports_what_other_processes_hold(tmp_path: Path) -> None:
 
     path = write(tmp_path / "gpu.json", {"free_bytes": GIB, "total_bytes": 2 * GIB, "other_process_bytes": 5})
     assert (await parse_gpu_source(f"file:{path}").read(1.0)).other_process_bytes == 5
+
+
+async def test_nvml_is_called_off_the_event_loop() -> None:
+    """NVML calls block in the driver (and for long on a failing GPU): never on the loop's thread."""
+    import threading
+
+    class Recording(FakeNvml):
+        def __init__(self, gpus: dict[str, tuple[int, int, int]]) -> None:
+            super().__init__(gpus)
+            self.threads: list[threading.Thread] = []
+
+        def nvmlInit(self) -> None:
+            self.threads.append(threading.current_thread())
+            super().nvmlInit()
+
+        def nvmlDeviceGetMemoryInfo(self, handle: str, version: int | None = None) -> Any:
+            self.threads.append(threading.current_thread())
+            return super().nvmlDeviceGetMemoryInfo(handle, version)
+
+    nvml = Recording({"GPU-a": (96 * GIB, GIB, 10 * GIB)})
+    source = NvmlSource(nvml=nvml)
+    signals = await source.read(1.0)
+    assert signals.free_bytes == 85 * GIB
+    assert len(nvml.threads) == 2
+    assert threading.current_thread() not in nvml.threads

@@ -57,6 +57,7 @@ class FakeEngine:
 
 
 TEXT = {"text": "the cat sat on the mat"}  # 6 words, 22 bytes
+ENGINE_ON = CounterConfig(use_engine_tokenize=True)  # the engine's /tokenize is opt-in
 
 
 # --- method order ------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ async def test_tokenizer_beats_engine(tokenizer_path: Path) -> None:
 
 async def test_engine_beats_bytes() -> None:
     engine = FakeEngine()
-    counter = PromptCounter(engine_tokenize=engine)
+    counter = PromptCounter(ENGINE_ON, engine_tokenize=engine)
     count = await counter.count(req("/v1/completions", {"prompt": "the cat sat on the mat", "model": "qwen"}))
     assert count == TokenCount(6, True, "engine")
     assert engine.calls == [{"prompt": "the cat sat on the mat", "add_special_tokens": True, "model": "qwen"}]
@@ -241,14 +242,16 @@ async def test_chat_media_tools_and_tool_calls(tokenizer_path: Path) -> None:
 
 async def test_chat_with_engine_uses_the_server_template() -> None:
     engine = FakeEngine()
-    counter = PromptCounter(engine_tokenize=engine)
+    counter = PromptCounter(ENGINE_ON, engine_tokenize=engine)
     body = {"model": "qwen", "messages": [{"role": "user", "content": "the cat sat"}]}
     assert await counter.count(req("/v1/chat/completions", body)) == TokenCount(103, True, "engine")
     assert engine.calls == [{"messages": body["messages"], "model": "qwen"}]
 
 
 async def test_chat_with_engine_bounds_tools_it_cannot_see() -> None:
-    counter = PromptCounter(CounterConfig(chat_overhead_tokens_tools=50), engine_tokenize=FakeEngine())
+    counter = PromptCounter(
+        CounterConfig(chat_overhead_tokens_tools=50, use_engine_tokenize=True), engine_tokenize=FakeEngine()
+    )
     tools = [{"name": "f"}]
     body = {"messages": [{"role": "user", "content": "the cat sat"}], "tools": tools}
     tools_bound = math.ceil(len(json.dumps(tools)) / 2.5)
@@ -272,7 +275,7 @@ async def test_chat_bytes_fallback() -> None:
 
 async def test_engine_404_is_remembered() -> None:
     engine = FakeEngine(answer=None)
-    counter = PromptCounter(engine_tokenize=engine)
+    counter = PromptCounter(ENGINE_ON, engine_tokenize=engine)
     first = await counter.count(req("/generate", TEXT))
     second = await counter.count(req("/generate", TEXT))
     assert first.method == second.method == "bytes"
@@ -286,7 +289,7 @@ async def test_engine_404_is_remembered() -> None:
 
 async def test_engine_error_falls_back_but_is_asked_again() -> None:
     engine = FakeEngine(answer=ConnectionError("refused"))
-    counter = PromptCounter(engine_tokenize=engine)
+    counter = PromptCounter(ENGINE_ON, engine_tokenize=engine)
     assert (await counter.count(req("/generate", TEXT))).method == "bytes"
     engine.answer = "words"
     assert (await counter.count(req("/generate", TEXT))).method == "engine"
@@ -298,7 +301,7 @@ async def test_engine_nonsense_answer_falls_back(answer: Any) -> None:
     async def engine(payload: dict[str, Any]) -> Any:
         return answer
 
-    counter = PromptCounter(engine_tokenize=engine)
+    counter = PromptCounter(ENGINE_ON, engine_tokenize=engine)
     assert (await counter.count(req("/generate", TEXT))).method == "bytes"
     assert counter.engine_tokenize_available
 
@@ -310,13 +313,15 @@ async def test_engine_that_never_answers_falls_back() -> None:
         await never.wait()
         return 1
 
-    counter = PromptCounter(CounterConfig(engine_tokenize_timeout_s=0.01), engine_tokenize=engine)
+    counter = PromptCounter(
+        CounterConfig(engine_tokenize_timeout_s=0.01, use_engine_tokenize=True), engine_tokenize=engine
+    )
     assert (await counter.count(req("/generate", TEXT))).method == "bytes"
 
 
 async def test_engine_batch_is_asked_per_prompt() -> None:
     engine = FakeEngine()
-    counter = PromptCounter(engine_tokenize=engine)
+    counter = PromptCounter(ENGINE_ON, engine_tokenize=engine)
     assert await counter.count(req("/generate", {"text": ["a b", "c d e"]})) == TokenCount(5, True, "engine")
     assert [call["prompt"] for call in engine.calls] == ["a b", "c d e"]
 
@@ -398,3 +403,109 @@ async def test_config_reload_with_a_bad_tokenizer_keeps_the_running_one(
         counter.config = CounterConfig(tokenizer_path=tmp_path / "missing.json")
     assert counter.config is running
     assert await counter.count(req("/generate", TEXT)) == TokenCount(6, True, "tokenizer")
+
+
+# --- counting only when the count decides ----------------------------------------------------
+
+
+def byte_level_bpe(tmp_path: Path) -> Path:
+    """A small byte-level BPE (the GPT-2/Qwen kind) trained here on mixed scripts."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([*CORPUS, "数据中心的显存", "naïve café ☕ 🚀"], trainer)
+    path = tmp_path / "bpe.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    "text", ["the cat sat on the mat", "数据中心的显存不够了", "naïve café ☕ 🚀 \ud83d", "x" * 5000, " "]
+)
+async def test_the_bound_is_never_below_the_exact_count(tmp_path: Path, text: str) -> None:
+    counter = PromptCounter(CounterConfig(tokenizer_path=byte_level_bpe(tmp_path)))
+    for body in ({"text": text}, {"messages": [{"role": "user", "content": text}]}):
+        path = "/generate" if "text" in body else "/v1/chat/completions"
+        r = req(path, body)
+        bound, exact = counter.bound(r), await counter.count(r)
+        assert bound is not None and bound.method == "bound" and not bound.exact
+        assert bound.tokens >= exact.tokens
+
+
+async def test_an_admitting_bound_skips_the_tokenizer(tokenizer_path: Path) -> None:
+    counter = PromptCounter(CounterConfig(tokenizer_path=tokenizer_path))
+    asked: list[TokenCount] = []
+
+    def admits(yes: bool):  # type: ignore[no-untyped-def]
+        def check(count: TokenCount) -> bool:
+            asked.append(count)
+            return yes
+
+        return check
+
+    assert await counter.count(req("/generate", TEXT), admits=admits(True)) == TokenCount(
+        22 + 8, False, "bound"
+    )
+    assert await counter.count(req("/generate", TEXT), admits=admits(False)) == TokenCount(
+        6, True, "tokenizer"
+    )
+    assert asked == [TokenCount(30, False, "bound")] * 2
+    # Already cheap: no bound is offered, the count is what it is.
+    assert await counter.count(req("/generate", {"input_ids": [1, 2]}), admits=admits(True)) == TokenCount(
+        2, True, "input_ids"
+    )
+    assert PromptCounter().bound(req("/generate", TEXT)) is None  # no tokenizer: bytes bound is the count
+    assert len(asked) == 2
+
+
+# --- the engine's model's tokenizer, and reloads off the loop -------------------------------------
+
+
+async def test_the_engines_model_directory_or_hf_id_supplies_the_tokenizer(
+    tokenizer_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = PromptCounter()
+    assert await counter.adopt_engine_model(["/no/such/model"]) is None
+    assert (await counter.count(req("/generate", TEXT))).method == "bytes"
+    assert await counter.adopt_engine_model([str(tokenizer_path.parent)]) == str(tokenizer_path)
+    assert await counter.count(req("/generate", TEXT)) == TokenCount(6, True, "tokenizer")
+
+    # An HF id, found in the local hub cache the way SGLang downloads it.
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_bytes(tokenizer_path.read_bytes())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    other = PromptCounter()
+    assert await other.adopt_engine_model(["Qwen/Qwen3-8B"]) == str(snapshot / "tokenizer.json")
+
+    # The policy's own tokenizer wins; opting out of the engine's keeps the bytes bound.
+    named = PromptCounter(CounterConfig(tokenizer_path=tokenizer_path))
+    await named.adopt_engine_model([str(snapshot)])
+    assert (await named.count(req("/generate", TEXT))).method == "tokenizer"
+    off = PromptCounter(CounterConfig(tokenizer_from_engine=False))
+    await off.adopt_engine_model([str(snapshot)])
+    assert (await off.count(req("/generate", TEXT))).method == "bytes"
+
+
+async def test_reconfigure_loads_the_tokenizer_off_the_event_loop(
+    tokenizer_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import sidecar.tokens
+
+    threads: list[threading.Thread] = []
+    real = sidecar.tokens.load_tokenizer
+
+    def spy(path):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread())
+        return real(path)
+
+    monkeypatch.setattr(sidecar.tokens, "load_tokenizer", spy)
+    counter = PromptCounter()
+    await counter.reconfigure(CounterConfig(tokenizer_path=tokenizer_path))
+    assert threads and threads[0] is not threading.main_thread()
+    assert await counter.count(req("/generate", TEXT)) == TokenCount(6, True, "tokenizer")
+    with pytest.raises(TokenizerLoadError):
+        await counter.reconfigure(CounterConfig(tokenizer_path=tokenizer_path.parent / "missing.json"))
+    assert counter.config.tokenizer_path == tokenizer_path

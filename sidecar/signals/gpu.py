@@ -21,6 +21,7 @@ of the engine's headroom.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -166,6 +167,11 @@ class NvmlSource:
         return resolved
 
     async def read(self, now: float) -> GpuSignals:
+        # In a worker thread: NVML calls are blocking driver ioctls (~6 µs when the driver is well,
+        # nvmlInit ~10 ms, and much longer on a GPU that is falling off the bus); the loop must not wait.
+        return await asyncio.to_thread(self._read, now)
+
+    def _read(self, now: float) -> GpuSignals:
         nvml = self._init()
         if self._handles is None:
             self._handles = self._resolve(nvml)
@@ -201,7 +207,7 @@ class NvmlSource:
             self._initialized = False
             self._handles = None
             with contextlib.suppress(Exception):  # shutting down: nothing useful to do with an error
-                self._module().nvmlShutdown()
+                await asyncio.to_thread(self._module().nvmlShutdown)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,7 +303,10 @@ class DcgmSource:
             raise GpuSourceError(
                 f"{self.spec}: GET {self.url}: {resp.status_code} {resp.reason_phrase}".rstrip()
             )
-        devices = parse_dcgm(resp.text, self.uuids, where=f"{self.spec}: GET {self.url}")
+        # A dcgm-exporter page is tens of KB for a multi-GPU host: parsed off the event loop.
+        devices = await asyncio.to_thread(
+            parse_dcgm, resp.text, self.uuids, where=f"{self.spec}: GET {self.url}"
+        )
         return GpuSignals(observed_at=now, source=self.spec, devices=tuple(devices))
 
     async def aclose(self) -> None:
