@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/sglang-sidecar demo
 
 test: $(STAMP) $(TOOLS)
-	$(BIN)/ruff check sidecar tests bench
+	$(BIN)/ruff check sidecar tests bench grafana
 	$(BIN)/python -m pytest -q
 
 # Proxy overhead against nginx and direct (bench/overhead.py); ARGS="--quick" for a two-minute run.
@@ -35,8 +35,8 @@ bench-overhead: $(STAMP)
 	$(BIN)/python bench/overhead.py $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check sidecar tests bench
-	$(BIN)/ruff format --check sidecar tests bench
+	$(BIN)/ruff check sidecar tests bench grafana
+	$(BIN)/ruff format --check sidecar tests bench grafana
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache build *.egg-info

@@ -35,6 +35,7 @@ from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
+from sidecar.policy import Policy
 
 if TYPE_CHECKING:
     from sidecar.admission import Admission
@@ -392,3 +393,53 @@ class StateCollector(Collector):
         info = GaugeMetricFamily(PREFIX + "policy_info", "The policy in force", labels=["name", "sha256"])
         info.add_metric([a.policy.name, a.loaded.sha256], 1.0)
         yield info
+        yield from policy_limits(a.policy)
+
+
+def policy_limits(p: Policy) -> Iterable[Metric]:
+    """The limits of the policy in force, so dashboards draw them and alerts compare against them
+    without copying numbers out of the YAML (and follow a reload)."""
+
+    def one(name: str, doc: str, value: float, label: str | None = None, **values: float | None) -> Metric:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=[label] if label else [])
+        if label:
+            for k, v in values.items():
+                if v is not None:  # a section the policy does not have: no series
+                    g.add_metric([k], float(v))
+        else:
+            g.add_metric([], float(value))
+        return g
+
+    yield one(
+        "policy_reserve_bytes",
+        "vram.reserve_bytes: GPU memory the gate never hands out",
+        p.vram.reserve_bytes,
+    )
+    yield one(
+        "policy_max_usage_ratio",
+        "kv.max_usage and mamba.max_usage: pool usage at or above which the gate holds",
+        0,
+        "pool",
+        full=p.kv.max_usage,
+        mamba=p.mamba.max_usage if p.mamba else None,
+    )
+    yield one("policy_engine_queue_max_requests", "engine_queue.max_requests", p.engine_queue.max_requests)
+    yield one("policy_pending_prefill_max_tokens", "pending_prefill.max_tokens", p.pending_prefill.max_tokens)
+    yield one(
+        "policy_signal_max_age_seconds",
+        "engine.max_age_s and gpu.max_age_s: a signal older than this is stale",
+        0,
+        "signal",
+        engine=p.engine.max_age_s,
+        gpu=p.gpu.max_age_s,
+    )
+    yield one(
+        "policy_hold_max_requests",
+        "hold.max_held: beyond it a request is rejected queue_full",
+        p.hold.max_held,
+    )
+    yield one(
+        "policy_hold_max_wait_seconds",
+        "hold.max_wait_s: a request held longer is rejected hold_timeout",
+        p.hold.max_wait_s,
+    )

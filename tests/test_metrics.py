@@ -99,6 +99,12 @@ async def test_build_info_process_metrics_and_renamed_gauges(tmp_path: Path) -> 
     assert (("pool", "full"),) in m[P + "engine_token_usage_ratio"]
     assert m[P + "signal_consecutive_failures"][(("signal", "engine"),)] == 0
     assert m[P + "policy_last_reload_successful"][()] == 1
+    # The policy's limits, for dashboards and alerts (the test lane's numbers).
+    assert m[P + "policy_reserve_bytes"][()] == 0
+    assert m[P + "policy_max_usage_ratio"] == {(("pool", "full"),): 1.0}  # no mamba section: no series
+    assert m[P + "policy_engine_queue_max_requests"][()] == 1000
+    assert m[P + "policy_signal_max_age_seconds"][(("signal", "engine"),)] == 5
+    assert m[P + "policy_hold_max_requests"][()] == 10 and m[P + "policy_hold_max_wait_seconds"][()] == 30
     for old in ("engine_token_usage", "signal_failures"):
         assert P + old not in m
 
