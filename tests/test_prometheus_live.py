@@ -192,6 +192,7 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
         policy_path=str(policy_file),
         gpu_source=parse_gpu_source(f"file:{gpu_file}"),
         admin_token=TOKEN,
+        trust_emulator_sizes=True,  # the scenario's requests declare their sizes to the emulator
     )
     served = serve(sidecar)
     url = await served.__aenter__()
