@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # promtool, prometheus, systemd-analyze for the deployment tests (scripts/tools.sh says how)
 TOOLS := .tools/bin/.installed
 
-.PHONY: demo test lint venv tools clean bench-overhead
+.PHONY: demo test lint venv tools clean bench-overhead bench-admission
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,3 +40,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache build *.egg-info
+
+# Admission quality against peers' rules and an oracle (bench/admission.py); ARGS="--quick" for < 3 min.
+bench-admission: $(STAMP)
+	$(BIN)/python bench/admission.py $(ARGS)

@@ -330,6 +330,7 @@ class EngineModel:
         self._last_publish: float | None = None
         self._decode_steps_since_publish = 0
         self._decode_steps_since_loads = 0
+        self._prefills_since_publish = 0
         self._gen_window_start = t
         self._gen_window_tokens = 0
         self._gen_throughput = 0.0
@@ -564,8 +565,10 @@ class EngineModel:
         c.prefill_cache_tokens += step.hit_tokens
         total_in = step.new_input + step.hit_tokens
         self._cache_hit_rate = step.hit_tokens / total_in if total_in else 0.0
-        self._publish(t)
-        self._loads = self._make_loads(t)
+        self._prefills_since_publish += 1
+        if self._prefills_since_publish >= self.profile.prefill_publish_every:
+            self._publish(t)
+            self._loads = self._make_loads(t)
 
     def _complete_prefill(self, req: _Request, t: float) -> None:
         p = self.profile
@@ -863,6 +866,7 @@ class EngineModel:
     def _publish(self, t: float, *, idle: bool = False) -> None:
         self._published = self._gauges(t)
         self._last_publish = t
+        self._prefills_since_publish = 0
         self._decode_steps_since_publish = 0
         self._retracted_since_publish = 0
         if idle:

@@ -118,6 +118,9 @@ class LaneProfile:
     decode_log_interval: int = 40  # SGLang --decode-log-interval default
     idle_publish_s: float = 30.0  # SGLang 0.5.23 _maybe_log_idle_metrics
     loads_publish_interval: int = 15  # --load-snapshot-publish-interval default
+    # Gauges and /v1/loads are written after every this many prefill batches (SGLang: every one). The
+    # benchmark's slow-signals setting raises it, with the decode and idle intervals, to publish 10x less.
+    prefill_publish_every: int = 1
 
     # --- derived -------------------------------------------------------------------------------
     @property

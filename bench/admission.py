@@ -1,0 +1,769 @@
+"""Admission quality: how much work a lane completes without a crash, against peers' rules and an oracle.
+
+Runs scenarios in virtual time through the engine model (``sidecar/sim``) under eight gates - the engine
+alone, the rules peers ship (``sidecar/sim/baselines.py``), the sidecar with the lane's shipped policy,
+and an oracle that sees the engine's true state - for several seeds and robustness settings. The tunable
+baselines (concurrency cap, prefill-token budget, prompt-length limit) are swept per scenario on the
+default setting and run everywhere else at their best setting (zero crashes first, then goodput).
+
+Goodput is served tokens (prompt + output of completed requests) over the longer of the run's span and
+the oracle's span on the same scenario, seed and setting, so a run that dies early is not flattered.
+
+    make bench-admission ARGS="--quick"
+    .venv/bin/python bench/admission.py [--quick] [--seeds N] [--jobs N] [--json PATH] [--png PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sidecar.policy import LoadedPolicy, load_policy_file  # noqa: E402
+from sidecar.sim import baselines as bl  # noqa: E402
+from sidecar.sim.engine import EngineModel  # noqa: E402
+from sidecar.sim.profiles import H200, MAXQ_BOUNDED, LaneProfile, MiB, get_profile  # noqa: E402
+from sidecar.sim.replay import Driver  # noqa: E402
+from sidecar.sim.scenario import Agents, Burst, Request, Requests, Rounds, Scenario, load_scenario  # noqa: E402
+
+GATES = [
+    "none",
+    "static-cap",
+    "token-budget",
+    "max-length",
+    "gie-saturation",
+    "smg-overload",
+    "sidecar",
+    "oracle",
+]
+SWEPT = {"static-cap", "token-budget", "max-length"}
+# (lag, perturbation) pairs; the first is the default, each other one is a robustness setting on its own.
+SETTINGS = [
+    ("default", "none"),
+    ("laggy", "none"),
+    ("default", "x1.2"),
+    ("default", "noise5"),
+    ("default", "noise10"),
+    ("default", "neighbour"),
+]
+SLOW_POLL_S = 5.0  # "slow signals": engine and GPU polled every 5 s ...
+SLOW_PUBLISH = 10  # ... and the engine publishing 10x less often
+NEIGHBOUR_BYTES = 256 * MiB  # twice the Max-Q policies' 128 MiB reserve, for 60 s
+RESULTS = ROOT / "bench" / "results"
+
+
+# ------------------------------------------------------------------------------------------ lanes
+def h200_qwen3next(fraction: float) -> LaneProfile:
+    """An H200 serving a Qwen3-Next-class model (bounded-gather build) at ``--mem-fraction-static``
+    ``fraction``: a lane no shipped policy was written for. Device figures from the ``h200`` profile,
+    model figures (weights, KV and Mamba bytes, transient coefficients) from ``maxq-bounded``."""
+    b = MAXQ_BOUNDED
+    startup = H200.device_total_bytes - H200.device_reserved_bytes - H200.cuda_context_bytes
+    pools = int(fraction * startup) - b.weights_bytes - b.mamba_pool_bytes
+    idle_free = startup - int(fraction * startup) - b.cuda_graph_bytes
+    return b.replace(
+        name=f"h200-qwen3next-{fraction:.2f}",
+        description=f"H200, Qwen3-Next-class model, bounded build, --mem-fraction-static {fraction}",
+        device_total_bytes=H200.device_total_bytes,
+        device_reserved_bytes=H200.device_reserved_bytes,
+        other_process_bytes=0,
+        cuda_context_bytes=H200.cuda_context_bytes,
+        mem_fraction_static=fraction,
+        kv_pool_tokens=pools // b.kv_bytes_per_token,
+        # weights absorb the rounding so that the idle free memory is exactly what the fraction leaves
+        weights_bytes=startup
+        - b.cuda_graph_bytes
+        - idle_free
+        - b.mamba_pool_bytes
+        - (pools // b.kv_bytes_per_token) * b.kv_bytes_per_token,
+    )
+
+
+@cache
+def profile_for(name: str) -> LaneProfile:
+    if name.startswith("h200-qwen3next-"):
+        return h200_qwen3next(float(name.rsplit("-", 1)[1]))
+    return get_profile(name)
+
+
+def perturbed(profile: LaneProfile, lag: str, perturbation: str) -> LaneProfile:
+    p = profile
+    if lag == "laggy":
+        p = p.replace(
+            decode_log_interval=p.decode_log_interval * SLOW_PUBLISH,
+            loads_publish_interval=p.loads_publish_interval * SLOW_PUBLISH,
+            idle_publish_s=p.idle_publish_s * SLOW_PUBLISH,
+            prefill_publish_every=SLOW_PUBLISH,
+        )
+    if perturbation == "x1.2":
+
+        def up(x: int) -> int:
+            return int(x * 1.2)
+
+        p = p.replace(
+            activation_bytes_per_token=up(p.activation_bytes_per_token),
+            context_bytes_per_token=up(p.context_bytes_per_token),
+            gather_bytes_per_token=up(p.gather_bytes_per_token),
+            gather_cap_bytes=None if p.gather_cap_bytes is None else up(p.gather_cap_bytes),
+            unknown_extra_bytes=up(p.unknown_extra_bytes),
+        )
+    elif perturbation.startswith("noise"):
+        p = p.replace(transient_noise=int(perturbation[5:]) / 100)
+    return p
+
+
+def single_request_limit(profile: LaneProfile, max_new: int) -> int:
+    """The longest cold prompt an idle engine survives (prefill and first decode step), by bisection."""
+    oracle = bl.Oracle(profile)
+    lo, hi = 1_000, profile.max_req_input_len - 1
+    if oracle.alone(hi, max_new) == "served":
+        return hi
+    while hi - lo > 512:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if oracle.alone(mid, max_new) == "served" else (lo, mid)
+    return lo
+
+
+# ------------------------------------------------------------------------------------------ scenarios
+def _family(name: str, seed: int) -> Scenario:
+    """The scenario families no policy was written for; ``seed`` draws their arrivals and lengths."""
+    rng = random.Random(f"{name}/{seed}")
+    if name == "band-below-limit":
+        limit = single_request_limit(get_profile("maxq-old"), 1024)
+        t, reqs = 0.0, []
+        for _ in range(8):
+            reqs.append(
+                Request(
+                    t=round(t, 3), prompt_tokens=int(limit * rng.uniform(0.90, 0.995)), max_new_tokens=1024
+                )
+            )
+            t += rng.expovariate(1 / 20)
+        return Scenario(
+            name=name,
+            description=f"8 cold requests at 90-99.5 % of the old Max-Q lane's true single-request limit ({limit:,} tokens)",
+            profile="maxq-old",
+            policy="policies/maxq-qwen3next-old.yaml",
+            seed=seed,
+            duration_s=1800,
+            workload=[Requests(kind="requests", requests=reqs, retries=2)],
+        )
+    if name == "two-cached-agents":
+        return Scenario(
+            name=name,
+            description="Two agents with ~200K and ~170K cached histories taking turns on the old Max-Q lane",
+            profile="maxq-old",
+            policy="policies/maxq-qwen3next-old.yaml",
+            seed=seed,
+            duration_s=1800,
+            workload=[
+                Agents(
+                    kind="agents",
+                    name="a",
+                    history_tokens=int(200_000 * rng.uniform(0.95, 1.05)),
+                    turn_tokens=3000,
+                    output_tokens=1000,
+                    turns=10,
+                    think_s=3,
+                ),
+                Agents(
+                    kind="agents",
+                    name="b",
+                    history_tokens=int(170_000 * rng.uniform(0.95, 1.05)),
+                    turn_tokens=3000,
+                    output_tokens=1000,
+                    turns=10,
+                    think_s=3,
+                    start_s=rng.uniform(0, 3),
+                ),
+            ],
+        )
+    if name.startswith("h200-qwen3next-"):
+        t, chat = 0.0, []
+        while t < 420:
+            chat.append(
+                Request(
+                    t=round(t, 3), prompt_tokens=rng.randint(1_000, 8_000), max_new_tokens=256, priority=10
+                )
+            )
+            t += rng.expovariate(1 / 4)
+        return Scenario(
+            name=name,
+            description="H200 + Qwen3-Next-class lane (no shipped policy): two agents growing to ~400K, short chat at a higher priority",
+            profile=name,
+            policy="policies/h200-generic.yaml",
+            seed=seed,
+            duration_s=2400,
+            workload=[
+                Agents(
+                    kind="agents",
+                    name="agent",
+                    count=2,
+                    history_tokens=int(150_000 * rng.uniform(0.95, 1.05)),
+                    turn_tokens=30_000,
+                    output_tokens=2000,
+                    turns=9,
+                    think_s=5,
+                    stagger_s=rng.uniform(1, 10),
+                ),
+                Requests(kind="requests", requests=chat, retries=2),
+            ],
+        )
+    raise KeyError(name)
+
+
+FAMILIES = ["band-below-limit", "two-cached-agents", "h200-qwen3next-0.90", "h200-qwen3next-0.98"]
+
+
+def shipped_names() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "scenarios").glob("*.yaml"))
+
+
+def jittered(sc: Scenario, index: int) -> Scenario:
+    """Seed index 0 is the scenario as shipped; later ones move arrivals and scale lengths a little."""
+    if index == 0:
+        return sc
+    rng = random.Random(f"{sc.name}/{index}")
+    work: list[Any] = []
+    for w in sc.workload:
+        if isinstance(w, Agents):
+            w = w.model_copy(
+                update={
+                    "history_tokens": int(w.history_tokens * rng.uniform(0.95, 1.05)),
+                    "turn_tokens": max(1, int(w.turn_tokens * rng.uniform(0.9, 1.1))),
+                    "start_s": w.start_s + rng.uniform(0, 3),
+                }
+            )
+        elif isinstance(w, Burst):
+            w = w.model_copy(
+                update={
+                    "start_s": w.start_s + rng.uniform(0, 2),
+                    "interval_s": w.interval_s * rng.uniform(0.8, 1.2),
+                }
+            )
+        elif isinstance(w, Rounds):
+            w = w.model_copy(update={"start_s": w.start_s + rng.uniform(0, 2)})
+        work.append(w)
+    return sc.model_copy(update={"workload": work, "seed": sc.seed + index})
+
+
+@cache
+def scenario(name: str, index: int) -> Scenario:
+    if name in FAMILIES:
+        return _family(name, index)
+    return jittered(load_scenario(ROOT / "scenarios" / f"{name}.yaml"), index)
+
+
+@cache
+def policy_for(name: str) -> LoadedPolicy:
+    sc = scenario(name, 0)
+    return load_policy_file(sc.policy_path(ROOT / "scenarios"))
+
+
+# ------------------------------------------------------------------------------------------ gates
+def sweep_values(gate: str, profile: LaneProfile, quick: bool) -> list[int]:
+    ctx = profile.context_length
+    if gate == "static-cap":
+        return [1, 2, 4] if quick else [1, 2, 3, 4, 6, 8, 16]
+    if gate == "token-budget":
+        fr = [0.5, 1.0, 2.0] if quick else [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]
+    else:
+        fr = [0.4, 0.6, 0.8, 1.0] if quick else [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    return [int(ctx * f) for f in fr]
+
+
+def make_gate(gate: str, value: int | None, profile: LaneProfile, lag: str) -> bl.Gate:
+    slow = lag == "laggy"
+    if gate == "none":
+        return bl.NoGate()
+    if gate == "static-cap":
+        return bl.StaticCap(int(value or 1))
+    if gate == "token-budget":
+        return bl.TokenBudget(int(value or 0))
+    if gate == "max-length":
+        return bl.MaxLength(int(value or 0))
+    if gate == "gie-saturation":
+        return bl.GieSaturation(poll_interval_s=SLOW_POLL_S if slow else 0.05)
+    if gate == "smg-overload":
+        return bl.SmgOverload(poll_interval_s=SLOW_POLL_S if slow else 1.0)
+    if gate == "oracle":
+        return bl.Oracle(profile)
+    raise KeyError(gate)
+
+
+def slow_policy(policy: LoadedPolicy) -> LoadedPolicy:
+    """Polled every 5 s; signals count as fresh for two polls (a 5 s age limit would hold everything)."""
+    p = policy.policy
+    policy = policy.with_section(
+        "engine", poll_interval_s=SLOW_POLL_S, max_age_s=max(p.engine.max_age_s, 2 * SLOW_POLL_S + 0.5)
+    )
+    return policy.with_section(
+        "gpu", poll_interval_s=SLOW_POLL_S, max_age_s=max(p.gpu.max_age_s, 2 * SLOW_POLL_S + 0.5)
+    )
+
+
+# ------------------------------------------------------------------------------------------ one run
+@dataclass(frozen=True)
+class Task:
+    scenario: str
+    index: int
+    lag: str
+    perturbation: str
+    gate: str
+    value: int | None = None
+
+
+def run_task(task: Task) -> dict[str, Any]:
+    sc = scenario(task.scenario, task.index)
+    profile = perturbed(profile_for(sc.profile), task.lag, task.perturbation)
+    seed = sc.seed
+    started = time.perf_counter()
+    driver: Driver
+    if task.gate == "sidecar":
+        policy = policy_for(task.scenario)
+        if task.lag == "laggy":
+            policy = slow_policy(policy)
+        driver = bl.SidecarDriver(sc, profile, policy, seed)
+        setting = policy.policy.name
+    else:
+        gate = make_gate(task.gate, task.value, profile, task.lag)
+        driver = bl.GatedDriver(sc, profile, gate, seed)
+        setting = gate.setting
+    if task.perturbation == "neighbour":
+        driver.neighbour = bl.Neighbour(NEIGHBOUR_BYTES)  # type: ignore[attr-defined]
+    r = driver.run()
+    held: dict[str, int] = defaultdict(int)
+    for k, n in (r.get("decisions") or {}).items():
+        action, _, reason = k.partition("/")
+        if action == "hold":
+            held[reason or "hold"] += n
+    return {
+        "scenario": task.scenario,
+        "profile": profile.name,
+        "gate": task.gate,
+        "setting": setting,
+        "value": task.value,
+        "lag": task.lag,
+        "perturbation": task.perturbation,
+        "seed": seed,
+        "crashes": len(r["crashes"]),
+        "crash_reasons": sorted({c["reason"].split(".")[0] for c in r["crashes"]}),
+        "downtime_s": r["downtime_s"],
+        "requests": r["requests"],
+        "completed": r["completed"],
+        "failed": r["failed"],
+        "served_tokens": r["served_tokens"],
+        "span_s": r["span_s"],
+        "ttft_p50_s": r["ttft_p50_s"],
+        "ttft_p99_s": r["ttft_p99_s"],
+        "rejected": r["rejected"],
+        "rejected_by_reason": r["rejected_by_reason"],
+        "held": sum(held.values()),
+        "held_by_reason": dict(held),
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+
+
+def run_all(tasks: list[Task], jobs: int, desc: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    bar = tqdm(total=len(tasks), desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
+    if jobs <= 1:
+        for t in tasks:
+            out.append(run_task(t))
+            bar.update()
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            for row in pool.map(run_task, tasks, chunksize=1):
+                out.append(row)
+                bar.update()
+    bar.close()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the study
+def best_value(rows: list[dict[str, Any]]) -> int | None:
+    """Zero crashes on every seed first, then the highest mean goodput (served tokens / span)."""
+    by: dict[int | None, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by[r["value"]].append(r)
+
+    def score(v: int | None) -> tuple[int, float]:
+        rs = by[v]
+        return (-sum(r["crashes"] for r in rs), statistics.mean(r["goodput_tokens_per_s"] for r in rs))
+
+    return max(by, key=score)
+
+
+def add_goodput(rows: list[dict[str, Any]], oracle_span: dict[tuple, float]) -> None:
+    for r in rows:
+        span = (
+            max(r["span_s"], oracle_span.get((r["scenario"], r["seed"], r["lag"], r["perturbation"]), 0.0))
+            or 1.0
+        )
+        r["goodput_tokens_per_s"] = round(r["served_tokens"] / span, 1)
+
+
+def study(args: argparse.Namespace) -> list[dict[str, Any]]:
+    names = args.scenarios or (shipped_names() + FAMILIES)
+    seeds = range(args.seeds)
+    settings = SETTINGS if not args.settings else [s for s in SETTINGS if f"{s[0]}/{s[1]}" in args.settings]
+    # 1. the oracle everywhere (its span is every other run's floor)
+    tasks = [Task(n, i, lag, pert, "oracle") for n in names for i in seeds for lag, pert in settings]
+    rows = run_all(tasks, args.jobs, "oracle")
+    oracle_span = {(r["scenario"], r["seed"], r["lag"], r["perturbation"]): r["span_s"] for r in rows}
+    add_goodput(rows, oracle_span)
+    # 2. sweeps of the tunable baselines on the default setting
+    tasks = [
+        Task(n, i, "default", "none", g, v)
+        for n in names
+        for g in sorted(SWEPT)
+        for v in sweep_values(g, profile_for(scenario(n, 0).profile), args.quick)
+        for i in seeds
+    ]
+    sweep = run_all(tasks, args.jobs, "sweeps")
+    add_goodput(sweep, oracle_span)
+    best: dict[tuple[str, str], int | None] = {}
+    for n in names:
+        for g in SWEPT:
+            best[(n, g)] = best_value([r for r in sweep if r["scenario"] == n and r["gate"] == g])
+    for r in sweep:
+        r["sweep"] = True
+        r["best"] = best[(r["scenario"], r["gate"])] == r["value"]
+    # 3. every gate (swept ones at their best) on every setting
+    tasks = []
+    for n in names:
+        for g in GATES:
+            if g == "oracle":
+                continue
+            for lag, pert in settings:
+                if g in SWEPT and (lag, pert) == ("default", "none"):
+                    continue  # the sweep already ran it
+                for i in seeds:
+                    tasks.append(Task(n, i, lag, pert, g, best.get((n, g))))
+    rest = run_all(tasks, args.jobs, "gates")
+    add_goodput(rest, oracle_span)
+    for r in rest:
+        r["best"] = True  # swept baselines run the robustness settings at their best setting only
+    rows = rows + rest + sweep
+    served_oracle = {
+        (r["scenario"], r["seed"], r["lag"], r["perturbation"]): r["goodput_tokens_per_s"]
+        for r in rows
+        if r["gate"] == "oracle"
+    }
+    for r in rows:
+        o = served_oracle.get((r["scenario"], r["seed"], r["lag"], r["perturbation"]))
+        r["goodput_vs_oracle"] = round(r["goodput_tokens_per_s"] / o, 4) if o else None
+        r.setdefault("sweep", False)
+        r.setdefault("best", r["gate"] not in SWEPT)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ fidelity
+def fidelity() -> list[tuple[str, str, str]]:
+    """The incident's figures against what the emulator does on the shipped scenarios (seed as shipped)."""
+    out: list[tuple[str, str, str]] = []
+    sc = load_scenario(ROOT / "scenarios" / "maxq-outage-burst.yaml")
+    d = Driver(sc, get_profile(sc.profile), None, sc.seed)
+    d.run()
+    c = d.engine.crashes[0] if d.engine.crashes else None
+    if c is None:
+        out.append(("outage: crash", "yes", "NO CRASH"))
+    else:
+        g = c.live
+        out += [
+            ("outage: failed allocation", "560 MiB", f"{(c.requested_bytes or 0) / MiB:.0f} MiB"),
+            (
+                "outage: free at the failure",
+                "280.94 MiB",
+                f"{(c.free_bytes or 0) / MiB:.0f} MiB (miss: evidence D11)",
+            ),
+            ("outage: running / queued", "1 / 14", f"{g.num_running_reqs} / {g.num_queue_reqs}"),
+            (
+                "outage: pending prefill tokens",
+                "1,485,849",
+                f"{g.pending_prefill_tokens:,} ({g.pending_prefill_tokens / 1_485_849 - 1:+.1%})",
+            ),
+            (
+                "outage: token usage / Mamba usage",
+                "0.73 / 0.06",
+                f"{g.token_usage:.2f} / {g.mamba_usage:.2f}",
+            ),
+        ]
+    model = EngineModel(get_profile("mamba-lane"))
+    for i in range(3):
+        model.submit(f"cold-{i}", 140_000, max_new_tokens=2048, now=0.0)
+    seq: list[float] = []
+    while model.up and model.next_event_time() is not None:
+        model.advance(model.next_event_time())  # type: ignore[arg-type]
+        g = model.published_gauges()
+        if g is not None and (not seq or seq[-1] != round(g.mamba_usage, 2)):
+            seq.append(round(g.mamba_usage, 2))
+    mc = model.crashes[0] if model.crashes else None
+    jump = " -> ".join(f"{x:.2f}" for x in seq[-3:])
+    out.append(
+        (
+            "mamba lane: published Mamba usage before the crash",
+            "0.18 -> 1.00",
+            jump + ("" if seq[-2:] == [0.18, 1.0] else " (miss: climbs, see README)"),
+        )
+    )
+    if mc is not None:
+        out.append(
+            (
+                "mamba lane: running, full usage at the crash",
+                "2, 0.46",
+                f"{mc.live.num_running_reqs}, {mc.live.full_token_usage:.2f}",
+            )
+        )
+    sc = load_scenario(ROOT / "scenarios" / "sustained-rounds.yaml")
+    r = Driver(sc, get_profile(sc.profile), None, sc.seed).run()
+    rounds: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for q in r["requests_detail"]:
+        rounds[q["rid"].split("-")[0]].append(q)
+    took = [max(q["end"] for q in v) - min(q["arrival"] for q in v) for v in rounds.values()]
+    out.append(("sustained: seconds a round", "93-107", f"{min(took):.0f}-{max(took):.0f}"))
+    peak = max(x for x in r["series"]["full_usage"] if x is not None)
+    out.append(
+        ("sustained: pool occupancy peak", "57 %", f"{peak:.0%} (miss: two 240K requests run together here)")
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+def _mean(xs: list[float | None]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return statistics.mean(v) if v else None
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per scenario and gate (best setting): default-setting figures and crashes per robustness setting."""
+    out: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        if not r["best"]:
+            continue
+        cell = out[r["scenario"]].setdefault(r["gate"], {"setting": r["setting"], "by": defaultdict(list)})
+        cell["by"][f"{r['lag']}/{r['perturbation']}"].append(r)
+    for sc in out.values():
+        for cell in sc.values():
+            d = cell["by"].get("default/none", [])
+            cell["crashes"] = sum(r["crashes"] for r in d)
+            cell["vs_oracle"] = _mean([r["goodput_vs_oracle"] for r in d])
+            cell["goodput"] = _mean([r["goodput_tokens_per_s"] for r in d])
+            cell["ttft_p99"] = _mean([r["ttft_p99_s"] for r in d])
+            cell["completed"] = sum(r["completed"] for r in d)
+            cell["rejected"] = sum(r["rejected"] for r in d)
+            cell["held"] = sum(r["held"] for r in d)
+            cell["robust"] = {
+                k: (sum(r["crashes"] for r in v), _mean([r["goodput_vs_oracle"] for r in v]))
+                for k, v in cell["by"].items()
+            }
+            cell["all_crashes"] = sum(c for c, _ in cell["robust"].values())
+    return out
+
+
+def acceptance(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    lines = []
+    for name, gates in summary.items():
+        s = gates.get("sidecar")
+        if s is None:
+            continue
+        notes = []
+        if s["all_crashes"]:
+            bad = [k for k, (c, _) in s["robust"].items() if c]
+            notes.append(f"SHORT: {s['all_crashes']} crash(es) ({', '.join(bad)})")
+        if s["vs_oracle"] is not None and s["vs_oracle"] < 0.95:
+            notes.append(f"SHORT: {s['vs_oracle']:.0%} of oracle goodput (< 95 %)")
+        better = [
+            g
+            for g, c in gates.items()
+            if g not in ("sidecar", "oracle")
+            and c["crashes"] == 0
+            and (c["goodput"] or 0) > (s["goodput"] or 0) * 1.0001
+        ]
+        if better:
+            notes.append("SHORT: below zero-crash " + ", ".join(better))
+        vs = "-" if s["vs_oracle"] is None else f"{s['vs_oracle']:.0%}"
+        lines.append(
+            f"  {name:24s} " + ("; ".join(notes) if notes else f"meets the targets ({vs} of oracle)")
+        )
+    return lines
+
+
+def format_tables(rows: list[dict[str, Any]], fid: list[tuple[str, str, str]]) -> str:
+    summary = summarise(rows)
+    keys = [f"{lag}/{p}" for lag, p in SETTINGS]
+    keys = [k for k in keys if any(k in c["robust"] for g in summary.values() for c in g.values())]
+    lines = ["Emulator fidelity (incident figure vs the emulator on the shipped scenarios)", ""]
+    w = max(len(f) for f, _, _ in fid) + 2
+    lines += [f"  {f:{w}s}{a:>16s}   {b}" for f, a, b in fid]
+    lines += ["", "Default setting (mean over seeds; swept baselines at their best setting)", ""]
+    head = f"  {'scenario':24s}{'gate':16s}{'setting':30s}{'crashes':>8s}{'completed':>10s}{'goodput':>10s}{'vs oracle':>10s}{'TTFT p99':>10s}{'rejected':>9s}{'held':>6s}"
+    lines.append(head)
+    for name, gates in summary.items():
+        for g in GATES:
+            c = gates.get(g)
+            if c is None:
+                continue
+            vs = "-" if c["vs_oracle"] is None else f"{c['vs_oracle']:.0%}"
+            ttft = "-" if c["ttft_p99"] is None else f"{c['ttft_p99']:.1f} s"
+            lines.append(
+                f"  {name:24s}{g:16s}{c['setting'][:29]:30s}{c['crashes']:>8d}{c['completed']:>10d}{(c['goodput'] or 0):>10,.0f}{vs:>10s}{ttft:>10s}{c['rejected']:>9d}{c['held']:>6d}"
+            )
+        lines.append("")
+    lines += ["Robustness: crashes / goodput vs oracle, per setting (all seeds)", ""]
+    lines.append(f"  {'scenario':24s}{'gate':16s}" + "".join(f"{k:>18s}" for k in keys))
+    for name, gates in summary.items():
+        for g in GATES:
+            c = gates.get(g)
+            if c is None:
+                continue
+            cells = []
+            for k in keys:
+                if k not in c["robust"]:
+                    cells.append(f"{'-':>18s}")
+                    continue
+                n, vs = c["robust"][k]
+                cells.append(f"{n:>8d} / {('-' if vs is None else f'{vs:.0%}'):>6s}  ")
+            lines.append(f"  {name:24s}{g:16s}" + "".join(cells))
+        lines.append("")
+    lines += [
+        "Acceptance (sidecar: zero crashes everywhere; >= 95 % of oracle; >= every zero-crash baseline)",
+        "",
+    ]
+    lines += acceptance(summary)
+    lines += ["", "Best settings of the swept baselines (zero crashes on every seed first, then goodput)", ""]
+    for name, gates in summary.items():
+        lines.append(
+            f"  {name:24s}" + "   ".join(f"{g}: {gates[g]['setting']}" for g in sorted(SWEPT) if g in gates)
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    summary = summarise(rows)
+    names = list(summary)
+    gates = [g for g in GATES if any(g in summary[n] for n in names)]
+    fig, ax = plt.subplots(figsize=(max(9.0, 2.0 + 1.45 * len(names)), 1.6 + 0.62 * len(gates)), dpi=130)
+    cmap = LinearSegmentedColormap.from_list("g", ["#f7f7f7", "#2c7fb8"])
+    for y, g in enumerate(gates):
+        for x, n in enumerate(names):
+            c = summary[n].get(g)
+            if c is None:
+                continue
+            vs = c["vs_oracle"] or 0.0
+            ax.add_patch(plt.Rectangle((x, y), 1, 1, color=cmap(min(1.0, vs)), ec="white", lw=2))
+            ax.text(
+                x + 0.5,
+                y + 0.38,
+                f"{vs:.0%}",
+                ha="center",
+                va="center",
+                fontsize=10,
+                color="black" if vs < 0.7 else "white",
+                weight="bold",
+            )
+            crashes = c["all_crashes"]
+            if crashes:
+                label = f"{crashes} crash{'es' if crashes != 1 else ''} ({c['crashes']} default)"
+                box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"}
+                ax.text(
+                    x + 0.5,
+                    y + 0.74,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="#d7191c",
+                    weight="bold",
+                    bbox=box,
+                )
+            else:
+                ax.text(
+                    x + 0.5,
+                    y + 0.74,
+                    "no crash",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if vs < 0.7 else "white",
+                )
+            if crashes:
+                ax.add_patch(plt.Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, fill=False, ec="#d7191c", lw=2))
+    ax.set_xlim(0, len(names))
+    ax.set_ylim(len(gates), 0)
+    ax.set_xticks([i + 0.5 for i in range(len(names))], [n.replace("-", "-\n", 1) for n in names], fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(gates))], gates, fontsize=9)
+    ax.tick_params(length=0)
+    for s in ax.spines.values():
+        s.set_visible(False)
+    ax.set_title(title, fontsize=10, loc="left")
+    fig.text(
+        0.01,
+        0.01,
+        "cell: goodput as % of the oracle's (default setting, mean over seeds)\nred: crashes over all seeds and robustness settings (slow signals, transients x1.2, 5/10 % noise, neighbour)",
+        fontsize=7.5,
+        color="#555",
+    )
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 seed, short sweeps (under three minutes)")
+    ap.add_argument("--seeds", type=int, help="seeds per scenario (default 3; --quick: 1)")
+    ap.add_argument(
+        "--scenarios", nargs="*", help=f"subset (default: every shipped scenario and {', '.join(FAMILIES)})"
+    )
+    ap.add_argument("--settings", nargs="*", help="subset of lag/perturbation, e.g. default/none laggy/none")
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    ap.add_argument("--json", type=Path, default=RESULTS / "admission.json")
+    ap.add_argument("--png", type=Path, default=RESULTS / "admission.png")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    args.seeds = args.seeds or (1 if args.quick else 3)
+    known = set(shipped_names() + FAMILIES)
+    for n in args.scenarios or []:
+        if n not in known:
+            ap.error(f"unknown scenario {n!r}; known: {', '.join(sorted(known))}")
+    started = time.perf_counter()
+    fid = fidelity()
+    rows = study(args)
+    took = time.perf_counter() - started
+    print(format_tables(rows, fid))
+    print(f"\n{len(rows)} runs in {took:.0f} s ({args.seeds} seed(s), jobs {args.jobs})")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.json}")
+    if not args.no_plot:
+        plot(
+            rows,
+            args.png,
+            f"Admission quality by gate and scenario ({args.seeds} seed(s), {len({(r['lag'], r['perturbation']) for r in rows})} settings)",
+        )
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
