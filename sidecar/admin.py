@@ -10,21 +10,22 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from sidecar.admission import Admission
 from sidecar.core.decide import headroom_bytes
 from sidecar.intake import demand_of
-from sidecar.policy_source import UploadRefused
+from sidecar.policy_source import PolicySource, UploadRefused
 from sidecar.policy_summary import summarize
-from sidecar.proxy import decision_body
 from sidecar.requests import BadRequest, parse_explain
-
-if TYPE_CHECKING:
-    from sidecar.app import SidecarApp
+from sidecar.responses import decision_fields, error_object
+from sidecar.signals.gpu import GpuSource
+from sidecar.tokens import PromptCounter
 
 log = logging.getLogger("sidecar.policy")
 
@@ -42,13 +43,24 @@ ADMIN_PATHS = frozenset(
 )
 
 
+class Host(Protocol):
+    """What the admin endpoints read of the running sidecar (``app.SidecarApp`` is one)."""
+
+    admission: Admission
+    clock: Callable[[], float]
+    counter: PromptCounter
+    gpu_source: GpuSource | None
+    policy_source: PolicySource
+    registry: CollectorRegistry
+
+    def gate_open(self) -> bool: ...
+
+
 def _err(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": "sidecar_error", "code": code, "param": None}}, status
-    )
+    return JSONResponse(error_object(message, code), status)
 
 
-def state(app: SidecarApp) -> dict[str, Any]:
+def state(app: Host) -> dict[str, Any]:
     """The /admission/state contract: unknown values are null, never 0."""
     a, now = app.admission, app.clock()
     snap, ledger = a.snapshot, a.ledger.totals
@@ -129,7 +141,7 @@ def state(app: SidecarApp) -> dict[str, Any]:
     }
 
 
-def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
+def build_admin(app: Host, admin_token: str | None) -> FastAPI:
     api = FastAPI(
         title="sglang-sidecar admin",
         docs_url="/admission/docs",
@@ -176,16 +188,13 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
                 accept_emulator=app.trust_emulator_sizes,
             )
         except BadRequest as e:
-            return _err(e.status, e.message, e.code)
+            return JSONResponse(e.error_body(), e.status)
         count = await app.counter.count(req)
-        demand = demand_of(a.rules, req, count, now=app.clock(), chunk=app._chunk_hint())
-        d = a.evaluate(demand)
-        out = decision_body(d, demand.prompt_tokens, demand.projected_bytes)
+        demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now())
+        out = decision_fields(a.evaluate(demand), demand)
         out |= {
             "count_method": count.method,
-            "exact": count.exact,
             "uncached_tokens": demand.uncached_tokens,
-            "sequences": demand.sequences,
             "held_ahead": a.held,
             "policy": a.policy.name,
         }
@@ -205,11 +214,8 @@ def build_admin(app: SidecarApp, admin_token: str | None) -> FastAPI:
             # In a worker thread: validation, the file's fsync and the tokenizer load all block.
             record = await asyncio.to_thread(app.policy_source.upload, await request.body())
         except UploadRefused as e:
-            body = {
-                "error": {"message": e.message, "type": "policy_refused", "code": e.code, "param": None},
-                "problems": e.problems,
-                "kept": app.admission.policy.name,
-            }
+            body = error_object(e.message, e.code, "policy_refused")
+            body |= {"problems": e.problems, "kept": app.admission.policy.name}
             return JSONResponse(body, e.status)
         return JSONResponse(
             {

@@ -1,16 +1,18 @@
 """The admission controller: books and releases charges and orders the hold queue; no I/O, no asyncio.
 
-It decides nothing itself: every rule is in :func:`sidecar.core.decide`. A request ``submit``s its
-:class:`~sidecar.core.Demand` and gets one of three things back: a :class:`Ticket` (admitted and
-charged with the decision's charge, in the same synchronous call as the decision - no ``await`` can
-slip between check and charge), a :class:`Rejection`, or a :class:`Waiter` parked in the hold queue.
-Waiters are re-decided in queue order by :meth:`Admission.pump` whenever something that could let them
-in or time them out changes (new signals, a ledger release, a policy reload, a waiter leaving, a
-deadline), each told whose turn comes first (strict order is the decision's rule too).
+It decides nothing itself: every rule is in :func:`sidecar.core.decide`. Every gated request gets one
+:class:`Handle` at intake (``Admission.open``), before its body is even parsed, in the manner of a
+concurrency-limits listener: the handle ``submit``s the request's :class:`~sidecar.core.Demand` once
+and is admitted (charged with the decision's charge in the same synchronous call as the decision: no
+``await`` can slip between check and charge), rejected, or held. Held handles are re-decided in queue
+order by :meth:`Admission.pump` whenever something that could let them in or time them out changes
+(new signals, a ledger release, a policy reload, a handle leaving, a deadline on the injected clock),
+each told whose turn comes first (strict order is the decision's rule too).
 
-Every ticket ends exactly once (``finish``), every waiter ends exactly once (admitted, rejected or
-cancelled), and each end is reported to the observer as one outcome. The clock is a parameter
-(``now``) so the live proxy (monotonic time) and ``replay`` (virtual time) share this code.
+The handle alone records the request's outcome, exactly once (``end``), whatever path it leaves by: a
+bad body, the client gone while it is read, held or streamed, a rejection (recorded by the gate
+itself), an upstream error, completion. Ending it releases whatever it still holds (its ledger
+charge, its place in the queue), so no path can leak.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from enum import StrEnum
 from itertools import count
 from typing import Protocol
 
+from sidecar.clock import Clock, Timer
 from sidecar.core.decide import Situation, decide
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand, reprice
@@ -63,7 +66,7 @@ class NullObserver:
 
 class _Guarded:
     """An observer that cannot break the bookkeeping: a failing metrics or log call is logged, never
-    raised into ``submit``/``finish`` after the ledger was charged (that would leak the entry)."""
+    raised into ``submit``/``end`` after the ledger was charged (that would leak the entry)."""
 
     def __init__(self, inner: Observer) -> None:
         self.inner = inner
@@ -81,80 +84,89 @@ class _Guarded:
             log.exception("observer failed on an outcome; admission goes on")
 
 
-@dataclass(slots=True, eq=False)
-class Ticket:
-    """An admitted request's reservation. End it with ``prefill_done`` (optional) then ``finish``."""
+class Handle:
+    """One gated request, from intake to its end. Only it records the request's outcome, once.
 
-    _owner: Admission
-    _key: int
-    demand: Demand
-    decision: Decision
-    waited_s: float
-    shadow_reject: Decision | None = None
-    _finished: bool = False
+    ``submit`` (once) returns the action: ``ADMIT`` (charged; call ``prefill_done`` at the first byte,
+    then ``end``), ``REJECT`` (already ended, outcome ``rejected``; ``decision`` says why), or ``HOLD``
+    (queued; ``on_done(handle)`` is called when the gate admits or rejects it). ``end`` may be called
+    at any point, any number of times: the first call records the outcome and releases what is held.
+    """
+
+    __slots__ = (
+        "_held",
+        "_key",
+        "_on_done",
+        "_owner",
+        "_timer",
+        "decision",
+        "demand",
+        "outcome",
+        "shadow_reject",
+        "sort_key",
+        "waited_s",
+    )
+
+    def __init__(self, owner: Admission) -> None:
+        self._owner = owner
+        self.demand: Demand | None = None
+        # The latest decision: the hold while held, then the admission or the rejection.
+        self.decision: Decision | None = None
+        # Shadow mode: what enforcement would have done to this admitted request.
+        self.shadow_reject: Decision | None = None
+        self.waited_s = 0.0
+        self.outcome: Outcome | None = None
+        self.sort_key: tuple[int, int] = (0, 0)
+        self._key: int | None = None  # the ledger entry, while charged
+        self._held = False
+        self._on_done: Callable[[Handle], None] | None = None
+        self._timer: Timer | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.decision is not None and self.decision.admitted
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None
+
+    def submit(self, demand: Demand, on_done: Callable[[Handle], None] = lambda h: None) -> Action:
+        return self._owner._submit(self, demand, on_done)
 
     def prefill_done(self) -> None:
         """First token seen: the prefill's transient is gone, its KV now shows in the engine's gauges."""
-        self._owner._release(self._key)
+        self._owner._release(self)
 
-    def finish(self, outcome: Outcome) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self._owner._release(self._key)
-        self._owner.observer.outcome(outcome)
+    def end(self, outcome: Outcome) -> None:
+        self._owner._end(self, outcome)
 
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    decision: Decision
-    waited_s: float
-
-    @property
-    def reason(self) -> Reason:
-        assert self.decision.reason is not None
-        return self.decision.reason
-
-
-@dataclass(slots=True, eq=False)
-class Waiter:
-    demand: Demand
-    on_done: Callable[[Ticket | Rejection], None]
-    sort_key: tuple[int, int] = (0, 0)
-    last: Decision | None = None
-    result: Ticket | Rejection | None = None
-    done: bool = False
-
-    @property
-    def deadline(self) -> float:
-        return self.demand.deadline
-
-    def __lt__(self, other: Waiter) -> bool:
+    def __lt__(self, other: Handle) -> bool:
         return self.sort_key < other.sort_key
 
 
 @dataclass(slots=True)
 class _Queue:
-    """Priority then arrival. Removal is lazy (a ``done`` flag) so cancel is O(1)."""
+    """Priority then arrival. Removal is lazy (a handle that left is no longer ``held``): O(1)."""
 
-    heap: list[Waiter] = field(default_factory=list)
+    heap: list[Handle] = field(default_factory=list)
     live: int = 0
 
-    def push(self, w: Waiter) -> None:
-        heapq.heappush(self.heap, w)
+    def push(self, h: Handle) -> None:
+        heapq.heappush(self.heap, h)
         self.live += 1
 
-    def ordered(self) -> list[Waiter]:
-        self._compact()
-        return sorted(self.heap)
-
-    def _compact(self) -> None:
+    def ordered(self) -> list[Handle]:
         if len(self.heap) > 2 * self.live + 16:
-            self.heap = [w for w in self.heap if not w.done]
+            self.heap = [h for h in self.heap if h.held]
             heapq.heapify(self.heap)
+        return sorted(h for h in self.heap if h.held)
 
-    def head(self) -> Waiter | None:
-        while self.heap and self.heap[0].done:
+    def head(self) -> Handle | None:
+        while self.heap and not self.heap[0].held:
             heapq.heappop(self.heap)
         return self.heap[0] if self.heap else None
 
@@ -163,7 +175,7 @@ class Admission:
     def __init__(
         self,
         policy: LoadedPolicy,
-        clock: Callable[[], float],
+        clock: Clock,
         *,
         shadow: bool = False,
         observer: Observer | None = None,
@@ -190,8 +202,8 @@ class Admission:
         return self._queue.live
 
     def oldest_wait_s(self) -> float | None:
-        now = self.clock()
-        return max((now - w.demand.arrived_at for w in self._queue.heap if not w.done), default=None)
+        now = self.clock.now()
+        return max((now - h.demand.arrived_at for h in self._queue.heap if h.held and h.demand), default=None)
 
     def situation(self, *, queued: bool = False, ahead: Reason | None = None) -> Situation:
         """What the decision reads now, besides the request."""
@@ -199,7 +211,7 @@ class Admission:
             self.rules,
             self.snapshot,
             self.ledger.totals,
-            self.clock(),
+            self.clock.now(),
             held=self.held,
             queued=queued,
             ahead=ahead,
@@ -208,37 +220,13 @@ class Admission:
 
     # -- the request path -------------------------------------------------------------------------
 
+    def open(self) -> Handle:
+        """A gated request has arrived: its handle, before anything else can go wrong with it."""
+        return Handle(self)
+
     def evaluate(self, demand: Demand) -> Decision:
         """What would happen to this request now, charging nothing (``/admission/explain``)."""
         return decide(demand, self.situation(ahead=self._ahead_of(self._sort_key(demand, advance=False))))
-
-    def submit(
-        self, demand: Demand, on_done: Callable[[Ticket | Rejection], None]
-    ) -> Ticket | Rejection | Waiter:
-        """Decide and, when admitted, charge - in one synchronous step."""
-        sort_key = self._sort_key(demand)
-        d = decide(demand, self.situation(ahead=self._ahead_of(sort_key)))
-        if self.shadow and d.action is not Action.ADMIT:
-            # Shadow mode: record what enforcement would have done, then forward anyway.
-            self.observer.decision(d, demand, 0.0, self.ledger.totals)
-            admit = Decision(Action.ADMIT, None, None, d.headroom_bytes, d.checks, d.charge)
-            return self._admit(admit, demand, 0.0, d)
-        if d.action is Action.ADMIT:
-            return self._admit(d, demand, 0.0)
-        if d.action is Action.REJECT:
-            return self._reject(d, demand, 0.0)
-        self.observer.decision(d, demand, 0.0, self.ledger.totals)
-        w = Waiter(demand, on_done, sort_key, d)
-        self._queue.push(w)
-        return w
-
-    def cancel(self, w: Waiter) -> None:
-        """The client left while held: drop it without a decision, and let the next one try."""
-        if w.done:
-            return
-        self._finish_waiter(w, None)
-        self.observer.outcome(Outcome.CLIENT_GONE)
-        self.pump()
 
     # -- the shell calls these when the world changes --------------------------------------------
 
@@ -247,12 +235,13 @@ class Admission:
         self.pump()
 
     def reload(self, policy: LoadedPolicy) -> None:
-        """A new policy: held requests are priced again under it, then re-decided."""
+        """A new policy: held requests are priced again under it (a new deadline too), then re-decided."""
         self.loaded = policy
         self.rules = rules_of(policy.policy)
-        for w in self._queue.heap:
-            if not w.done:
-                w.demand = reprice(self.rules, w.demand)
+        for h in self._queue.heap:
+            if h.held and h.demand is not None:
+                h.demand = reprice(self.rules, h.demand)
+                self._arm(h)
         self.pump()
 
     def drain(self) -> None:
@@ -260,15 +249,11 @@ class Admission:
         self.draining = True
         self.pump()
 
-    def expire(self) -> None:
-        """A hold deadline has passed: re-decide the queue (the decision times the request out)."""
-        self.pump()
-
     def pump(self) -> None:
-        """Re-decide every waiter in queue order, each told the reason of the first one still waiting
-        ahead of it (the decision keeps strict order with it).
+        """Re-decide every held request in queue order, each told the reason of the first one still
+        waiting ahead of it (the decision keeps strict order with it).
 
-        Re-entrant calls (a waiter's callback finishing a ticket, say) are folded into one more pass.
+        Re-entrant calls (a callback ending a handle, say) are folded into one more pass.
         """
         if self._pumping:
             self._repump = True
@@ -284,52 +269,115 @@ class Admission:
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _submit(self, h: Handle, demand: Demand, on_done: Callable[[Handle], None]) -> Action:
+        if h.demand is not None or h.ended:
+            raise RuntimeError("a handle submits once, before it ends")
+        h.demand = demand
+        h.sort_key = self._sort_key(demand)
+        d = decide(demand, self.situation(ahead=self._ahead_of(h.sort_key)))
+        if self.shadow and d.action is not Action.ADMIT:
+            # Shadow mode: record what enforcement would have done, then forward anyway.
+            self.observer.decision(d, demand, 0.0, self.ledger.totals)
+            h.shadow_reject = d
+            d = Decision(Action.ADMIT, None, None, d.headroom_bytes, d.checks, d.charge)
+        if d.action is Action.ADMIT:
+            self._admit(h, d)
+        elif d.action is Action.REJECT:
+            self._reject(h, d)
+        else:
+            self.observer.decision(d, demand, 0.0, self.ledger.totals)
+            h.decision, h._held, h._on_done = d, True, on_done
+            self._queue.push(h)
+            self._arm(h)
+        return d.action
+
     def _pump_once(self) -> None:
         if not self._queue.live:
             return
         ahead: Reason | None = None
-        for w in self._queue.ordered():
-            if w.done:
+        for h in self._queue.ordered():
+            if not h.held:
+                continue  # left during this pass (a callback ended it)
+            assert h.demand is not None
+            d = decide(h.demand, self.situation(queued=True, ahead=ahead))
+            h.decision = d
+            if d.action is Action.HOLD:
+                ahead = ahead or d.reason
                 continue
-            d = decide(w.demand, self.situation(queued=True, ahead=ahead))
-            w.last = d
-            waited = self.clock() - w.demand.arrived_at
+            self._leave_queue(h)
             if d.action is Action.ADMIT:
-                self._finish_waiter(w, self._admit(d, w.demand, waited))
-            elif d.action is Action.REJECT:
-                self._finish_waiter(w, self._reject(d, w.demand, waited))
-            elif ahead is None:
-                ahead = d.reason
+                self._admit(h, d)
+            else:
+                self._reject(h, d)
+            if h._on_done is not None:
+                h._on_done(h)
+
+    def _arm(self, h: Handle) -> None:
+        """The handle's deadline, on the clock that measures it (the decision times it out)."""
+        assert h.demand is not None
+        if h._timer is not None:
+            h._timer.cancel()
+        h._timer = self.clock.call_at(h.demand.deadline, lambda: self._deadline(h))
+
+    def _deadline(self, h: Handle) -> None:
+        """A timer fired. A loop may fire a hair early (its own resolution): then wait the rest."""
+        h._timer = None
+        if h.held and h.demand is not None and self.clock.now() < h.demand.deadline:
+            self._arm(h)
+        else:
+            self.pump()
+
+    def _leave_queue(self, h: Handle) -> None:
+        h._held = False
+        self._queue.live -= 1
+        if h._timer is not None:
+            h._timer.cancel()
+            h._timer = None
 
     def _ahead_of(self, sort_key: tuple[int, int]) -> Reason | None:
-        """The reason the first waiter ahead of a request with this key is waiting, if there is one."""
+        """The reason the first request held ahead of one with this key is waiting, if there is one."""
         head = self._queue.head()
-        if head is None or not head.sort_key < sort_key or head.last is None:
+        if head is None or not head.sort_key < sort_key or head.decision is None:
             return None
-        return head.last.reason
+        return head.decision.reason
 
     def _sort_key(self, demand: Demand, *, advance: bool = True) -> tuple[int, int]:
         prio = demand.priority if self.rules.hold.low_priority_values_first else -demand.priority
         return (prio, next(self._seq) if advance else 1 << 62)
 
-    def _admit(self, d: Decision, demand: Demand, waited: float, shadow_of: Decision | None = None) -> Ticket:
-        key = self.ledger.charge(d.charge)
-        if shadow_of is None:
-            self.observer.decision(d, demand, waited, self.ledger.totals)
-        return Ticket(self, key, demand, d, waited, shadow_of)
+    def _waited(self, h: Handle) -> float:
+        assert h.demand is not None
+        return self.clock.now() - h.demand.arrived_at
 
-    def _reject(self, d: Decision, demand: Demand, waited: float) -> Rejection:
-        self.observer.decision(d, demand, waited, self.ledger.totals)
-        self.observer.outcome(Outcome.REJECTED)
-        return Rejection(d, waited)
+    def _admit(self, h: Handle, d: Decision) -> None:
+        assert h.demand is not None
+        h.decision, h.waited_s = d, self._waited(h) if h.shadow_reject is None else 0.0
+        h._key = self.ledger.charge(d.charge)
+        if h.shadow_reject is None:
+            self.observer.decision(d, h.demand, h.waited_s, self.ledger.totals)
 
-    def _finish_waiter(self, w: Waiter, result: Ticket | Rejection | None) -> None:
-        w.done = True
-        w.result = result
-        self._queue.live -= 1
-        if result is not None:
-            w.on_done(result)
+    def _reject(self, h: Handle, d: Decision) -> None:
+        assert h.demand is not None
+        h.decision, h.waited_s = d, self._waited(h)
+        self.observer.decision(d, h.demand, h.waited_s, self.ledger.totals)
+        self._end(h, Outcome.REJECTED)
 
-    def _release(self, key: int) -> None:
-        if self.ledger.release(key):
+    def _end(self, h: Handle, outcome: Outcome) -> None:
+        if h.outcome is not None:
+            return
+        h.outcome = outcome
+        changed = h._key is not None or h._held
+        if h._held:
+            self._leave_queue(h)  # the client left while held: no decision, the next one may go
+        if h._key is not None:
+            self.ledger.release(h._key)
+            h._key = None
+        self.observer.outcome(outcome)
+        if changed:
+            self.pump()
+
+    def _release(self, h: Handle) -> None:
+        if h._key is not None:
+            self.ledger.release(h._key)
+            h._key = None
             self.pump()

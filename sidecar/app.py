@@ -22,12 +22,15 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admin import ADMIN_PATHS, build_admin
 from sidecar.admission import Admission
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.clock import LoopClock
 from sidecar.core import demand
 from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
 from sidecar.observe import StateCollector, Telemetry, register_process_metrics
 from sidecar.policy import LoadedPolicy, PolicyError
 from sidecar.policy_source import PolicySource
-from sidecar.proxy import Proxy, Receive, Scope, Send, error_body, make_session, send_response
+from sidecar.proxy import Proxy, make_session
+from sidecar.responses import Response, error_response, send_response
 from sidecar.routes import RouteTable, normalize_path
 from sidecar.signals.engine import EngineScraper, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
@@ -60,7 +63,7 @@ class SidecarApp:
         self.registry = CollectorRegistry()
         self.telemetry = Telemetry(self.registry, decision_log, shadow=mode_shadow)
         register_process_metrics(self.registry)
-        self.admission = Admission(policy, clock, shadow=mode_shadow, observer=self.telemetry)
+        self.admission = Admission(policy, LoopClock(clock), shadow=mode_shadow, observer=self.telemetry)
         self.telemetry.context = self._log_context
         self.counter = PromptCounter(_counter_config(policy), engine_tokenize=self._engine_tokenize)
         self.trust_emulator_sizes = trust_emulator_sizes
@@ -68,7 +71,6 @@ class SidecarApp:
             self.upstream,
             self.admission,
             self.counter,
-            chunk_hint=self._chunk_hint,
             on_first_byte=self.telemetry.first_byte,
             trust_declared_sizes=trust_emulator_sizes,
         )
@@ -176,6 +178,10 @@ class SidecarApp:
 
     def _on_engine(self, signals: EngineSignals | None, health: SourceHealth) -> None:
         snap = self.admission.snapshot
+        known = snap.engine.version if snap.engine else None
+        if signals is not None and known is not None and signals.version not in (None, known):
+            # A new engine build may serve /tokenize where the old one answered 404: ask it again.
+            self.counter.reset_engine_tokenize()
         self.admission.update_snapshot(replace(snap, engine=signals or snap.engine, engine_health=health))
         self._adopt_engine_tokenizer()
 
@@ -199,10 +205,6 @@ class SidecarApp:
     def _on_gpu(self, signals: GpuSignals | None, health: SourceHealth) -> None:
         snap = self.admission.snapshot
         self.admission.update_snapshot(replace(snap, gpu=signals or snap.gpu, gpu_health=health))
-
-    def _chunk_hint(self) -> int | None:
-        e = self.admission.snapshot.engine
-        return e.chunked_prefill_size if e else None
 
     async def _engine_tokenize(self, payload: dict[str, Any]) -> int | None:
         if self.tokenize_client is None:
@@ -290,8 +292,8 @@ class SidecarApp:
             self.gpu_poller.interval_s = loaded.policy.gpu.poll_interval_s
 
 
-def _refused(path: str) -> tuple[int, list, bytes]:
-    return error_body(
+def _refused(path: str) -> Response:
+    return error_response(
         403,
         f"{path} prefills a body the sidecar cannot size (a file upload); send the request to "
         "/generate with input_embeds instead",

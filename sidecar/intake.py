@@ -24,6 +24,7 @@ from sidecar.core.rules import (
     SignalRules,
     VramRules,
 )
+from sidecar.core.snapshot import Snapshot
 from sidecar.policy import Policy
 from sidecar.requests import GenerationRequest
 from sidecar.tokens import TokenCount
@@ -57,18 +58,20 @@ def _view(cls: type[T], section: BaseModel) -> T:
 
 def demand_of(
     rules: Rules,
+    snapshot: Snapshot,
     req: GenerationRequest,
     count: TokenCount,
     *,
     now: float,
-    chunk: int | None,
     request_id: str = "",
 ) -> Demand:
     """The demand of a parsed request and its token count (the proxy and ``explain`` share this).
 
     Every sequence is counted: the prompts of a batch (``n_texts``) times the samples of each (``n``,
-    SGLang's ``parallel_sample_num``).
+    SGLang's ``parallel_sample_num``). The projection uses the engine's reported chunked-prefill size
+    when it has one, else the lane's.
     """
+    e = snapshot.engine
     return demand.build(
         rules,
         count.tokens,
@@ -79,6 +82,6 @@ def demand_of(
         prompts=req.n_texts,
         samples=req.parallel_samples,
         priority=req.priority,
-        chunk=chunk,
+        chunk=e.chunked_prefill_size if e else None,
         request_id=request_id,
     )

@@ -36,6 +36,7 @@ from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.policy import Policy
+from sidecar.responses import decision_fields
 
 if TYPE_CHECKING:
     from sidecar.admission import Admission
@@ -237,36 +238,13 @@ def decision_record(
     d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
 ) -> str:
     """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back."""
-    rec: dict[str, Any] = {
-        "ts": round(time.time(), 3),
-        "event": "decision",
-        "request_id": cost.request_id,
-        "decision": d.action.value,
-        "reason": d.reason.value if d.reason else None,
-        "prompt_tokens": cost.prompt_tokens,
-        "exact": cost.exact,
-        "cached_tokens": cost.cached_tokens,
-        "max_new_tokens": cost.max_new_tokens,
-        "priority": cost.priority,
-        "projected_bytes": cost.projected_bytes,
-        "headroom_bytes": d.headroom_bytes,
-        "retry_after_s": d.retry_after_s,
-        "waited_s": round(waited_s, 4),
-        "ledger": {
-            "requests": ledger.requests,
-            "prefill_tokens": ledger.prefill_tokens,
-            "projected_bytes": ledger.projected_bytes,
-        },
-        "checks": [
-            {
-                "name": c.name,
-                "ok": c.ok,
-                "need": c.need,
-                "have": c.have,
-                **({"note": c.note} if c.note else {}),
-            }
-            for c in d.checks
-        ],
+    rec: dict[str, Any] = {"ts": round(time.time(), 3), "event": "decision"}
+    rec |= decision_fields(d, cost)
+    rec["waited_s"] = round(waited_s, 4)
+    rec["ledger"] = {
+        "requests": ledger.requests,
+        "prefill_tokens": ledger.prefill_tokens,
+        "projected_bytes": ledger.projected_bytes,
     }
     rec.update(context)
     return json.dumps(rec, separators=(",", ":"))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,17 +25,15 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
-from sidecar.core.decision import Decision
+from sidecar.admission import Admission, Handle, Outcome
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.core.decision import Action
 from sidecar.core.demand import Demand
 from sidecar.intake import demand_of
 from sidecar.requests import BadRequest, GenerationRequest, parse_generation
+from sidecar.responses import error_response, json_response, rejection_response, send_response
 from sidecar.routes import Route
 from sidecar.tokens import PromptCounter, TokenCount
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -48,7 +45,6 @@ HOP_BY_HOP = frozenset(
 _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
 # uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
 _DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
-_JSON = [(b"content-type", b"application/json")]
 PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
@@ -80,78 +76,6 @@ def make_session(
     )
 
 
-def json_response(
-    status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()
-) -> tuple[int, list, bytes]:  # type: ignore[assignment]
-    payload = json.dumps(body, separators=(",", ":")).encode()
-    return status, [*_JSON, (b"content-length", str(len(payload)).encode()), *headers], payload
-
-
-def rejection_response(r: Rejection, prompt_tokens: int, projected_bytes: int) -> tuple[int, list, bytes]:
-    d = r.decision
-    reason = r.reason.value
-    retry = str(d.retry_after_s or 1).encode()
-    body = {
-        "error": {
-            "message": _REJECT_MESSAGES.get(reason, reason) + f" Retry after {retry.decode()} s.",
-            "type": "admission_rejected",
-            "code": reason,
-            "param": None,
-        },
-        "admission": decision_body(d, prompt_tokens, projected_bytes)
-        | {"waited_ms": round(r.waited_s * 1000)},
-    }
-    headers = [
-        (b"retry-after", retry),
-        (b"x-admission-decision", b"reject"),
-        (b"x-admission-reason", reason.encode()),
-        (b"x-admission-wait-ms", str(round(r.waited_s * 1000)).encode()),
-    ]
-    return json_response(503, body, headers)
-
-
-def decision_body(d: Decision, prompt_tokens: int, projected_bytes: int) -> dict[str, Any]:
-    return {
-        "decision": d.action.value,
-        "reason": d.reason.value if d.reason else None,
-        "prompt_tokens": prompt_tokens,
-        "projected_bytes": projected_bytes,
-        "headroom_bytes": d.headroom_bytes,
-        "retry_after_s": d.retry_after_s,
-        "checks": [
-            {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
-            for c in d.checks
-        ],
-    }
-
-
-_REJECT_MESSAGES = {
-    "vram_headroom": "Not enough free GPU memory for this request's prefill.",
-    "kv_pool": "The engine's KV cache pool has no room for this prompt.",
-    "mamba_slots": "The engine's Mamba state slots are exhausted.",
-    "engine_queue": "The engine's queue is full.",
-    "pending_prefill_tokens": "Too many prefill tokens are already pending in the engine.",
-    "unfit_request": "This request can never fit this lane (context, KV pool or memory).",
-    "signals_stale": "The engine's or GPU's signals are stale; admission is paused.",
-    "queue_full": "The admission queue is full.",
-    "hold_timeout": "The request waited the maximum hold time without room opening.",
-    "engine_unavailable": "The engine is unreachable.",
-    "draining": "The sidecar is shutting down.",
-}
-
-
-async def send_response(send: Send, resp: tuple[int, list, bytes]) -> None:
-    status, headers, body = resp
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def error_body(status: int, message: str, code: str) -> tuple[int, list, bytes]:
-    return json_response(
-        status, {"error": {"message": message, "type": "sidecar_error", "code": code, "param": None}}
-    )
-
-
 class Proxy:
     """Forwards every request to the engine; gated paths pass the admission controller first."""
 
@@ -161,7 +85,6 @@ class Proxy:
         admission: Admission,
         counter: PromptCounter,
         *,
-        chunk_hint: Callable[[], int | None] = lambda: None,
         on_first_byte: Callable[[float], None] = lambda seconds: None,
         trust_declared_sizes: bool = False,
     ) -> None:
@@ -173,7 +96,6 @@ class Proxy:
         self._origin = _origin(self.upstream)
         self.admission = admission
         self.counter = counter
-        self.chunk_hint = chunk_hint
         self.session: aiohttp.ClientSession | None = None
         self._ids = itertools.count(1)
 
@@ -191,33 +113,49 @@ class Proxy:
             work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
             await _until_disconnect(work, receive, after=body.done)
             return
-        policy = self.admission.policy
+        handle = self.admission.open()
         try:
-            body = await _read_body(scope, receive, policy.limits.max_body_bytes)
-        except BadRequest as e:
-            if gated:
-                self.admission.observer.outcome(Outcome.BAD_REQUEST)
-            await send_response(send, json_response(e.status, e.error_body()))
-            return
-        except ClientGone:
-            if gated:
-                self.admission.observer.outcome(Outcome.CLIENT_GONE)
-            return
-        if route is not None:
-            # Forward to the route the engine would serve, not to a variant it would redirect.
-            scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
-        await _until_disconnect(self._gated(scope, body, send, route), receive)
+            try:
+                body = await _read_body(scope, receive, self.admission.policy.limits.max_body_bytes)
+            except BadRequest as e:
+                handle.end(Outcome.BAD_REQUEST)
+                await send_response(send, json_response(e.status, e.error_body()))
+                return
+            except ClientGone:
+                return
+            if route is not None:
+                # Forward to the route the engine would serve, not to a variant it would redirect.
+                scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
+            await _until_disconnect(self._gated(scope, body, send, handle, route), receive)
+        finally:
+            # Whatever path was taken, the handle has ended: this is the backstop for a client that
+            # left before the work started (ClientGone, or a cancellation before its first step).
+            handle.end(Outcome.CLIENT_GONE)
 
     # -- gated ---------------------------------------------------------------------------------------
 
-    async def _gated(self, scope: Scope, body: bytes, send: Send, route: Route | None = None) -> None:
-        policy = self.admission.policy
+    async def _gated(
+        self, scope: Scope, body: bytes, send: Send, handle: Handle, route: Route | None = None
+    ) -> None:
+        try:
+            await self._admit_and_forward(scope, body, send, handle, route)
+        except asyncio.CancelledError:
+            handle.end(Outcome.CLIENT_GONE)  # held, waiting for headers, or mid-stream
+            raise
+        except BaseException:
+            handle.end(Outcome.UPSTREAM_ERROR)
+            raise
+
+    async def _admit_and_forward(
+        self, scope: Scope, body: bytes, send: Send, handle: Handle, route: Route | None
+    ) -> None:
+        a = self.admission
         parse = functools.partial(
             parse_generation,
             scope["path"],
             body,
             _headers_dict(scope),
-            max_body_bytes=policy.limits.max_body_bytes,
+            max_body_bytes=a.policy.limits.max_body_bytes,
             accept_emulator=self.trust_declared_sizes,
             shape=route.shape if route is not None and route.shape else None,
         )
@@ -226,79 +164,35 @@ class Proxy:
             # and the pollers do not wait behind it. Small bodies are cheaper parsed in place.
             req = await asyncio.to_thread(parse) if len(body) > PARSE_IN_THREAD_BYTES else parse()
         except BadRequest as e:
-            self.admission.observer.outcome(Outcome.BAD_REQUEST)
+            handle.end(Outcome.BAD_REQUEST)
             await send_response(send, json_response(e.status, e.error_body()))
             return
-        except asyncio.CancelledError:
-            self.admission.observer.outcome(Outcome.CLIENT_GONE)
-            raise
-        try:
-            count = await self.counter.count(req, admits=self._admits_now(req))
-        except asyncio.CancelledError:
-            self.admission.observer.outcome(Outcome.CLIENT_GONE)
-            raise
+        count = await self.counter.count(req, admits=self._admits_now(req))
         demand = demand_of(
-            self.admission.rules,
-            req,
-            count,
-            now=self.admission.clock(),
-            chunk=self.chunk_hint(),
-            request_id=req.rid or f"sc-{next(self._ids)}",
+            a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=req.rid or f"sc-{next(self._ids)}"
         )
-        result = await self._acquire(demand)
-        if isinstance(result, Rejection):
-            await send_response(
-                send, rejection_response(result, demand.prompt_tokens, demand.projected_bytes)
-            )
+        if not await _acquire(handle, demand):
+            assert handle.decision is not None
+            await send_response(send, rejection_response(handle.decision, demand, handle.waited_s))
             return
-        ticket = result
         extra = [
             (b"x-admission-decision", b"admit"),
-            (b"x-admission-wait-ms", str(round(ticket.waited_s * 1000)).encode()),
+            (b"x-admission-wait-ms", str(round(handle.waited_s * 1000)).encode()),
         ]
-        if ticket.shadow_reject is not None:
-            d = ticket.shadow_reject
+        if handle.shadow_reject is not None:
+            d = handle.shadow_reject
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
             extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
-        await self._forward(scope, body, send, ticket, extra, req)
+        await self._forward(scope, body, send, handle, extra)
 
     def _admits_now(self, req: GenerationRequest) -> Callable[[TokenCount], bool]:
         """Would ``req`` be admitted now at this count? The counter tokenizes only when the answer is no."""
 
         def admits(count: TokenCount) -> bool:
-            demand = demand_of(
-                self.admission.rules, req, count, now=self.admission.clock(), chunk=self.chunk_hint()
-            )
-            return self.admission.evaluate(demand).admitted
+            a = self.admission
+            return a.evaluate(demand_of(a.rules, a.snapshot, req, count, now=a.clock.now())).admitted
 
         return admits
-
-    async def _acquire(self, demand: Demand) -> Ticket | Rejection:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Ticket | Rejection] = loop.create_future()
-
-        def on_done(r: Ticket | Rejection) -> None:
-            if not fut.done():
-                fut.set_result(r)
-
-        res = self.admission.submit(demand, on_done)
-        if not isinstance(res, Waiter):
-            return res
-        timer = loop.call_at(res.deadline, self.admission.expire)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            # The client left while held. Cancelling this task cancelled `fut` too, so ask the waiter:
-            # the gate may have answered in the same instant (a poll or a release pumped the queue
-            # before this task woke). A ticket must then be ended, or its ledger entry would leak.
-            if res.done:
-                if isinstance(res.result, Ticket):
-                    res.result.finish(Outcome.CLIENT_GONE)
-            else:
-                self.admission.cancel(res)
-            raise
-        finally:
-            timer.cancel()
 
     # -- forwarding ----------------------------------------------------------------------------------
 
@@ -307,9 +201,8 @@ class Proxy:
         scope: Scope,
         body: bytes,
         send: Send,
-        ticket: Ticket | None,
+        handle: Handle | None,
         extra_headers: list[tuple[bytes, bytes]],
-        req: GenerationRequest | None = None,
         *,
         keep_length: bool = False,
     ) -> None:
@@ -333,8 +226,8 @@ class Proxy:
                 started = True
                 first = True
                 async for chunk in resp.content.iter_any():
-                    if first and ticket is not None:
-                        ticket.prefill_done()
+                    if first and handle is not None:
+                        handle.prefill_done()
                         self.on_first_byte(time.monotonic() - forwarded_at)
                         first = False
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -353,8 +246,27 @@ class Proxy:
                 log.warning("upstream broke mid-response on %s: %s", scope["path"], e)
                 raise UpstreamBroke(str(e)) from None
         finally:
-            if ticket is not None:
-                ticket.finish(outcome)
+            if handle is not None:
+                handle.end(outcome)
+
+
+async def _acquire(handle: Handle, demand: Demand) -> bool:
+    """Submit and, when held, wait for the gate's answer; True when admitted.
+
+    A client that leaves while held cancels this task, and the caller ends the handle with
+    ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or a
+    release pumped the queue before this task woke), or leaves the queue if not.
+    """
+    loop = asyncio.get_running_loop()
+    answered: asyncio.Future[None] = loop.create_future()
+
+    def on_done(h: Handle) -> None:
+        if not answered.done():
+            answered.set_result(None)
+
+    if handle.submit(demand, on_done) is Action.HOLD:
+        await answered
+    return handle.admitted
 
 
 class UpstreamBroke(Exception):
@@ -363,17 +275,19 @@ class UpstreamBroke(Exception):
 
 def _upstream_error(e: BaseException, upstream: str) -> tuple[int, list, bytes]:
     if isinstance(e, aiohttp.ClientConnectorError):
-        resp = error_body(
-            503, f"engine at {upstream} is unreachable: {e.os_error or e}", "engine_unavailable"
+        return error_response(
+            503,
+            f"engine at {upstream} is unreachable: {e.os_error or e}",
+            "engine_unavailable",
+            headers=[(b"retry-after", b"5")],
         )
-        return resp[0], [*resp[1], (b"retry-after", b"5")], resp[2]
     if isinstance(e, TimeoutError | aiohttp.ServerTimeoutError):
-        return error_body(
+        return error_response(
             504,
             f"engine at {upstream} timed out: {e or 'no data within the read timeout'}",
             "upstream_timeout",
         )
-    return error_body(502, f"engine at {upstream} failed: {type(e).__name__}: {e}", "upstream_error")
+    return error_response(502, f"engine at {upstream} failed: {type(e).__name__}: {e}", "upstream_error")
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:

@@ -42,13 +42,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.responses import error_object
+
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "EXPLAIN_PATH",
     "GATED_PATHS",
     "BadRequest",
     "GenerationRequest",
-    "check_declared_length",
     "endpoint_kind",
     "parse_explain",
     "parse_generation",
@@ -101,14 +102,7 @@ class BadRequest(Exception):
 
     def error_body(self) -> dict[str, Any]:
         """The OpenAI-style error object, the shape both SGLang and OpenAI clients already parse."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": "invalid_request_error",
-                "code": self.code,
-                "param": self.param,
-            }
-        }
+        return error_object(self.message, self.code, "invalid_request_error", self.param)
 
     @classmethod
     def body_too_large(
@@ -191,24 +185,6 @@ def endpoint_kind(path: str) -> str | None:
     if bare.endswith("/generate"):
         return "generate"
     return None
-
-
-def check_declared_length(
-    headers: Mapping[str, str] | None, *, max_body_bytes: int, source: str = _LIMIT_SOURCE
-) -> None:
-    """Refuse a body by its ``Content-Length`` before reading it, so a 1 GB upload costs nothing.
-
-    An unparseable or absent header is not judged here (the HTTP server validates framing, and a
-    chunked body has none); the proxy still enforces the limit on the bytes it actually reads.
-    """
-    if not headers:
-        return
-    for key, value in headers.items():
-        if key.lower() == "content-length":
-            text = value.strip()
-            if text.isdigit() and int(text) > max_body_bytes:
-                raise BadRequest.body_too_large(int(text), max_body_bytes, source=source)
-            return
 
 
 def parse_generation(

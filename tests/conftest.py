@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from sidecar.admission import Admission
+from sidecar.admission import Admission, Handle
 from sidecar.core import demand
 from sidecar.core.demand import Demand
 from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
@@ -20,16 +22,50 @@ MIB = 1024 * 1024
 
 
 class ManualClock:
-    """A clock tests move by hand: no sleeps, no timing assertions."""
+    """A clock tests move by hand: no sleeps, no timing assertions. Deadlines scheduled on it with
+    ``call_at`` fire, in order, when ``advance`` reaches them."""
 
     def __init__(self, t: float = 1000.0) -> None:
         self.t = t
+        self._timers: list[tuple[float, int, _ManualTimer]] = []
+        self._seq = 0
 
     def __call__(self) -> float:
         return self.t
 
+    def now(self) -> float:
+        return self.t
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> _ManualTimer:
+        timer = _ManualTimer(fn)
+        self._seq += 1
+        heapq.heappush(self._timers, (when, self._seq, timer))
+        return timer
+
+    @property
+    def pending(self) -> int:
+        return sum(1 for _, _, t in self._timers if t.fn is not None)
+
     def advance(self, dt: float) -> None:
-        self.t += dt
+        end = self.t + dt
+        while self._timers and self._timers[0][0] <= end:
+            when, _, timer = heapq.heappop(self._timers)
+            self.t = max(self.t, when)
+            timer.fire()
+        self.t = end
+
+
+class _ManualTimer:
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def fire(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+    def cancel(self) -> None:
+        self.fn = None
 
 
 @pytest.fixture
@@ -99,10 +135,17 @@ def snapshot(
 def ask(target: Admission | Policy, prompt_tokens: int, *, now: float | None = None, **kw: object) -> Demand:
     """A request's demand, priced by an Admission's rules at its clock's now, or by a policy at ``now``."""
     if isinstance(target, Admission):
-        rules, at = target.rules, target.clock() if now is None else now
+        rules, at = target.rules, target.clock.now() if now is None else now
     else:
         rules, at = rules_of(target), 0.0 if now is None else now
     return demand.build(rules, prompt_tokens, arrived_at=at, **kw)  # type: ignore[arg-type]
+
+
+def submit(a: Admission, d: Demand, answered: list[Handle] | None = None) -> Handle:
+    """Open a handle and submit ``d``; a held one is appended to ``answered`` when the gate answers."""
+    h = a.open()
+    h.submit(d, answered.append if answered is not None else lambda h: None)
+    return h
 
 
 def with_engine(snap: Snapshot, **changes: object) -> Snapshot:

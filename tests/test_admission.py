@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
+from sidecar.admission import Admission, Handle, Outcome
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
-from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot
+from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot, submit
 
 
 class Recorder:
@@ -18,7 +18,7 @@ class Recorder:
         self.decisions: list[tuple[Action, Reason | None]] = []
         self.outcomes: Counter[Outcome] = Counter()
 
-    def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
+    def decision(self, d: Decision, demand: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         self.decisions.append((d.action, d.reason))
 
     def outcome(self, outcome: Outcome) -> None:
@@ -37,129 +37,133 @@ def cost_1mib(a: Admission, priority: int = 0) -> Demand:
 
 
 def test_burst_admits_exactly_n(clock: ManualClock) -> None:
-    """50 arrive in the same instant with room for exactly 10: 10 tickets, the rest held or rejected."""
+    """50 arrive in the same instant with room for exactly 10: 10 admitted, the rest held or rejected."""
     a, _ = make(clock, free_mib=10)
-    results = [a.submit(cost_1mib(a), lambda r: None) for _ in range(50)]
-    tickets = [r for r in results if isinstance(r, Ticket)]
-    assert len(tickets) == 10
+    handles = [submit(a, cost_1mib(a)) for _ in range(50)]
+    assert sum(h.admitted for h in handles) == 10
     assert a.ledger.totals.requests == 10
-    assert sum(isinstance(r, Waiter) for r in results) == 10  # max_held
-    assert sum(isinstance(r, Rejection) and r.reason is Reason.QUEUE_FULL for r in results) == 30
+    assert sum(h.held for h in handles) == 10  # max_held
+    rejected = [h for h in handles if h.outcome is Outcome.REJECTED]
+    assert len(rejected) == 30 and all(
+        h.decision and h.decision.reason is Reason.QUEUE_FULL for h in rejected
+    )
 
 
 def test_release_lets_the_next_waiter_in_and_ledger_returns_to_zero(clock: ManualClock) -> None:
     a, rec = make(clock, free_mib=1)
-    admitted: list[Ticket | Rejection] = []
-    first = a.submit(cost_1mib(a), admitted.append)
-    second = a.submit(cost_1mib(a), admitted.append)
-    assert isinstance(first, Ticket) and isinstance(second, Waiter)
+    answered: list[Handle] = []
+    first = submit(a, cost_1mib(a), answered)
+    second = submit(a, cost_1mib(a), answered)
+    assert first.admitted and second.held
     clock.advance(1.5)
     first.prefill_done()  # the first token frees the prefill's share
-    assert len(admitted) == 1 and isinstance(admitted[0], Ticket)
-    assert admitted[0].waited_s == 1.5
-    first.finish(Outcome.COMPLETED)
-    admitted[0].finish(Outcome.COMPLETED)
-    first.finish(Outcome.CLIENT_GONE)  # a second end is ignored: exactly one outcome per request
+    assert answered == [second] and second.admitted
+    assert second.waited_s == 1.5
+    first.end(Outcome.COMPLETED)
+    second.end(Outcome.COMPLETED)
+    first.end(Outcome.CLIENT_GONE)  # a second end is ignored: exactly one outcome per request
     assert a.ledger.totals == LedgerTotals()
     assert rec.outcomes == Counter({Outcome.COMPLETED: 2})
 
 
 def test_strict_order_newcomer_waits_behind_held_request(clock: ManualClock) -> None:
     a, _ = make(clock, free_mib=1)
-    big = ask(a, 1000)
-    t = a.submit(big, lambda r: None)
-    assert isinstance(t, Ticket)
-    waiting_big = a.submit(big, lambda r: None)
-    assert isinstance(waiting_big, Waiter)
+    assert submit(a, ask(a, 1000)).admitted
+    waiting_big = submit(a, ask(a, 1000))
+    assert waiting_big.held
     # A small request would fit in what is left, but an earlier request is waiting: no overtaking.
-    tiny = ask(a, 10)
-    assert isinstance(a.submit(tiny, lambda r: None), Waiter)
+    tiny = submit(a, ask(a, 10))
+    assert tiny.held and tiny.decision is not None and tiny.decision.reason is Reason.VRAM_HEADROOM
 
 
 def test_backfill_lets_small_requests_pass(clock: ManualClock) -> None:
     a, _ = make(clock, free_mib=1, hold__backfill=True)
-    a.submit(ask(a, 1000), lambda r: None)
-    assert isinstance(a.submit(ask(a, 1000), lambda r: None), Waiter)
-    assert isinstance(a.submit(ask(a, 10), lambda r: None), Ticket)
+    submit(a, ask(a, 1000))
+    assert submit(a, ask(a, 1000)).held
+    assert submit(a, ask(a, 10)).admitted
 
 
 def test_priority_orders_the_queue(clock: ManualClock) -> None:
     a, _ = make(clock, free_mib=1)
-    t = a.submit(cost_1mib(a), lambda r: None)
+    t = submit(a, cost_1mib(a))
     order: list[int] = []
     for prio in (0, 5, 1):
-        a.submit(cost_1mib(a, prio), lambda r, p=prio: order.append(p))
-    assert isinstance(t, Ticket)
-    t.finish(Outcome.COMPLETED)
+        a.open().submit(cost_1mib(a, prio), lambda h, p=prio: order.append(p))
+    assert t.admitted
+    t.end(Outcome.COMPLETED)
     assert order == [5]  # larger value first (SGLang's default); room for one at a time
 
 
 def test_client_leaving_while_held_is_removed_and_counted(clock: ManualClock) -> None:
     a, rec = make(clock, free_mib=1)
-    t = a.submit(cost_1mib(a), lambda r: None)
-    w = a.submit(cost_1mib(a), lambda r: None)
-    assert isinstance(w, Waiter) and a.held == 1
-    a.cancel(w)
-    a.cancel(w)  # idempotent
-    assert a.held == 0
+    t = submit(a, cost_1mib(a))
+    w = submit(a, cost_1mib(a))
+    assert w.held and a.held == 1
+    w.end(Outcome.CLIENT_GONE)
+    w.end(Outcome.CLIENT_GONE)  # idempotent
+    assert a.held == 0 and not w.held
     assert rec.outcomes[Outcome.CLIENT_GONE] == 1
-    assert isinstance(t, Ticket)
-    t.finish(Outcome.COMPLETED)
+    assert t.admitted
+    t.end(Outcome.COMPLETED)
     assert a.ledger.totals == LedgerTotals()
 
 
-def test_hold_timeout(clock: ManualClock) -> None:
+def test_hold_timeout_fires_on_the_injected_clock(clock: ManualClock) -> None:
     a, rec = make(clock, free_mib=1)
-    a.submit(cost_1mib(a), lambda r: None)
-    got: list[Ticket | Rejection] = []
-    a.submit(cost_1mib(a), got.append)
+    submit(a, cost_1mib(a))
+    answered: list[Handle] = []
+    w = submit(a, cost_1mib(a), answered)
     clock.advance(29.9)
-    a.expire()
-    assert got == []
-    clock.advance(0.1)
-    a.expire()
-    assert len(got) == 1 and isinstance(got[0], Rejection)
-    assert got[0].reason is Reason.HOLD_TIMEOUT and got[0].waited_s == 30
-    assert got[0].decision.retry_after_s is not None and got[0].decision.retry_after_s >= 1
+    assert answered == [] and w.held
+    clock.advance(0.1)  # the deadline's timer, scheduled on the same clock, fires: nothing else runs
+    assert answered == [w] and w.outcome is Outcome.REJECTED
+    assert w.decision is not None and w.decision.reason is Reason.HOLD_TIMEOUT and w.waited_s == 30
+    # The admitted request's 1000 prefill tokens ahead (ledger) plus its own 1000, at 1000 tok/s: 2 s.
+    assert w.decision.retry_after_s == 2
     assert rec.outcomes[Outcome.REJECTED] == 1
+    assert clock.pending == 0
 
 
 def test_new_signals_wake_the_queue(clock: ManualClock) -> None:
     a, _ = make(clock, free_mib=0)
-    got: list[Ticket | Rejection] = []
-    assert isinstance(a.submit(cost_1mib(a), got.append), Waiter)
+    answered: list[Handle] = []
+    h = submit(a, cost_1mib(a), answered)
+    assert h.held
     a.update_snapshot(snapshot(clock(), free_bytes=5 * MIB))
-    assert len(got) == 1 and isinstance(got[0], Ticket)
+    assert answered == [h] and h.admitted
+    assert clock.pending == 0, "an admitted request's deadline timer must be cancelled"
 
 
 def test_drain_rejects_new_and_held(clock: ManualClock) -> None:
     a, _ = make(clock, free_mib=0)
-    got: list[Ticket | Rejection] = []
-    a.submit(cost_1mib(a), got.append)
+    answered: list[Handle] = []
+    held = submit(a, cost_1mib(a), answered)
     a.drain()
-    assert isinstance(got[0], Rejection) and got[0].reason is Reason.DRAINING
-    r = a.submit(cost_1mib(a), lambda r: None)
-    assert isinstance(r, Rejection) and r.reason is Reason.DRAINING
+    assert answered == [held] and held.decision is not None and held.decision.reason is Reason.DRAINING
+    late = submit(a, cost_1mib(a))
+    assert late.outcome is Outcome.REJECTED and late.decision is not None
+    assert late.decision.reason is Reason.DRAINING
 
 
 def test_shadow_mode_forwards_everything_but_records_the_real_decision(clock: ManualClock) -> None:
     a, rec = make(clock, free_mib=0, shadow=True)
-    r = a.submit(cost_1mib(a), lambda r: None)
-    assert isinstance(r, Ticket)
-    assert r.shadow_reject is not None and r.shadow_reject.reason is Reason.VRAM_HEADROOM
+    h = submit(a, cost_1mib(a))
+    assert h.admitted
+    assert h.shadow_reject is not None and h.shadow_reject.reason is Reason.VRAM_HEADROOM
     assert rec.decisions == [(Action.HOLD, Reason.VRAM_HEADROOM)]
-    r.finish(Outcome.COMPLETED)
+    assert a.ledger.totals.requests == 1
+    h.end(Outcome.COMPLETED)
     assert a.ledger.totals == LedgerTotals()
 
 
-def test_reentrant_finish_from_a_callback_is_safe(clock: ManualClock) -> None:
-    """A waiter whose callback ends its ticket at once (replay does this) must not corrupt the queue."""
+def test_reentrant_end_from_a_callback_is_safe(clock: ManualClock) -> None:
+    """A waiter whose callback ends its handle at once (replay does this) must not corrupt the queue."""
     a, rec = make(clock, free_mib=1)
-    first = a.submit(cost_1mib(a), lambda r: None)
+    first = submit(a, cost_1mib(a))
     for _ in range(5):
-        a.submit(cost_1mib(a), lambda r: r.finish(Outcome.COMPLETED) if isinstance(r, Ticket) else None)
-    assert isinstance(first, Ticket)
-    first.finish(Outcome.COMPLETED)
+        a.open().submit(cost_1mib(a), lambda h: h.end(Outcome.COMPLETED))
+    assert first.admitted
+    first.end(Outcome.COMPLETED)
     assert a.held == 0
     assert rec.outcomes[Outcome.COMPLETED] == 6
     assert a.ledger.totals == LedgerTotals()
@@ -168,28 +172,24 @@ def test_reentrant_finish_from_a_callback_is_safe(clock: ManualClock) -> None:
 def test_every_request_has_exactly_one_outcome(clock: ManualClock) -> None:
     """A mixed run: admitted, held then admitted, held then cancelled, timed out, queue full."""
     a, rec = make(clock, free_mib=2)
-    tickets: list[Ticket] = []
-    waiters: list[Waiter] = []
-
-    def collect(r: Ticket | Rejection) -> None:
-        if isinstance(r, Ticket):
-            tickets.append(r)
-
+    admitted: list[Handle] = []
+    waiting: list[Handle] = []
     n = 40
     for i in range(n):
-        r = a.submit(cost_1mib(a), collect)
-        if isinstance(r, Ticket):
-            tickets.append(r)
-        elif isinstance(r, Waiter):
-            waiters.append(r)
-        if i % 7 == 0 and waiters:
-            a.cancel(waiters.pop(0))
-        if i % 5 == 0 and tickets:
-            tickets.pop(0).finish(Outcome.COMPLETED)
+        h = a.open()
+        h.submit(cost_1mib(a), lambda h: admitted.append(h) if h.admitted else None)
+        if h.admitted:
+            admitted.append(h)
+        elif h.held:
+            waiting.append(h)
+        if i % 7 == 0 and waiting:
+            waiting.pop(0).end(Outcome.CLIENT_GONE)
+        if i % 5 == 0 and admitted:
+            admitted.pop(0).end(Outcome.COMPLETED)
     clock.advance(31)
-    a.expire()
-    while tickets:
-        tickets.pop(0).finish(Outcome.COMPLETED)
+    while admitted:
+        admitted.pop(0).end(Outcome.COMPLETED)
     assert sum(rec.outcomes.values()) == n
     assert a.held == 0
     assert a.ledger.totals == LedgerTotals()
+    assert clock.pending == 0

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from sidecar.admission import Admission, Ticket, Waiter
+from sidecar.admission import Admission, Outcome
 from sidecar.core import demand
 from sidecar.core.decision import Reason
 from sidecar.intake import demand_of, rules_of
 from sidecar.requests import parse_generation
 from sidecar.tokens import TokenCount
-from tests.conftest import ManualClock, small_policy, snapshot
+from tests.conftest import ManualClock, small_policy, snapshot, submit
 
 # A lane with a 51-slot Mamba pool (lane 2), a checkpoint every 4,096 prompt tokens, and a decode
 # reserve of every sequence's whole output budget, so each figure below can be read off the body.
@@ -51,24 +51,23 @@ def test_every_sequence_is_charged_kv_mamba_and_queue(
 ) -> None:
     a = Admission(small_policy(**LANE), clock)
     a.update_snapshot(snapshot(clock()))
-    d = demand_of(a.rules, parsed(path, body), TokenCount(8000, True, "test"), now=clock(), chunk=None)
+    d = demand_of(a.rules, a.snapshot, parsed(path, body), TokenCount(8000, True, "test"), now=clock())
     assert (d.prompts, d.sequences) == (prompts, sequences)
     assert d.kv_tokens == 8000 + 100 * sequences  # the prompts once, a decode reserve per sequence
     checkpoints = 2 + prompts - 1  # ceil(8000 / 4096), plus one per extra prompt's partial interval
     assert d.mamba_slots == sequences + checkpoints
-    t = a.submit(d, lambda r: None)
-    assert isinstance(t, Ticket)
+    assert submit(a, d).admitted
     totals = a.ledger.totals
     assert (totals.requests, totals.sequences) == (1, sequences)
     assert totals.kv_tokens == d.kv_tokens and totals.mamba_slots == d.mamba_slots
     # The engine queue (limit 10) now holds `sequences`: a single-sequence request fits only if
     # sequences + 1 <= 10, and another request as wide as this one does not.
     one = demand.build(a.rules, 10, arrived_at=clock())
-    assert isinstance(a.submit(one, lambda r: None), Ticket)
+    assert submit(a, one).admitted
     wide = demand.build(a.rules, 10, arrived_at=clock(), prompts=prompts, samples=sequences // prompts)
-    w = a.submit(wide, lambda r: None)
-    assert isinstance(w, Waiter) and w.last is not None and w.last.reason is Reason.ENGINE_QUEUE
-    queue = next(c for c in w.last.checks if c.name == "engine_queue")
+    w = submit(a, wide)
+    assert w.held and w.decision is not None and w.decision.reason is Reason.ENGINE_QUEUE
+    queue = next(c for c in w.decision.checks if c.name == "engine_queue")
     assert queue.need == sequences + 1 + sequences
 
 
@@ -77,17 +76,16 @@ def test_a_request_wider_than_the_mamba_pool_is_unfit(clock: ManualClock) -> Non
     a = Admission(small_policy(**LANE), clock)
     a.update_snapshot(snapshot(clock()))
     wide = demand.build(a.rules, 100, arrived_at=clock(), samples=64)
-    r = a.submit(wide, lambda r: None)
-    assert getattr(r, "reason", None) is Reason.UNFIT_REQUEST
+    r = submit(a, wide)
+    assert r.outcome is Outcome.REJECTED and r.decision is not None
+    assert r.decision.reason is Reason.UNFIT_REQUEST
 
 
 def test_a_request_alone_is_never_held_by_the_engine_queue(clock: ManualClock) -> None:
     """Wider than max_requests but alone: admitted (it would otherwise wait for ever)."""
     a = Admission(small_policy(**LANE), clock)
     a.update_snapshot(snapshot(clock()))
-    assert isinstance(
-        a.submit(demand.build(a.rules, 10, arrived_at=clock(), samples=20), lambda r: None), Ticket
-    )
+    assert submit(a, demand.build(a.rules, 10, arrived_at=clock(), samples=20)).admitted
 
 
 def test_reprice_keeps_the_request_and_reprices_its_cost() -> None:

@@ -12,7 +12,6 @@ from sidecar.requests import (
     DEFAULT_MAX_BODY_BYTES,
     BadRequest,
     GenerationRequest,
-    check_declared_length,
     endpoint_kind,
     parse_explain,
     parse_generation,
@@ -881,29 +880,6 @@ def test_error_body_is_openai_shaped() -> None:
             "param": "messages[0].content",
         }
     }
-
-
-@pytest.mark.parametrize(
-    ("headers", "raises"),
-    [
-        ({"Content-Length": "2000"}, True),
-        ({"content-length": "1000"}, False),
-        ({"Content-Length": "garbage"}, False),
-        ({}, False),
-        (None, False),
-    ],
-)
-def test_check_declared_length(headers: dict[str, str] | None, raises: bool) -> None:
-    if raises:
-        with pytest.raises(BadRequest) as caught:
-            check_declared_length(headers, max_body_bytes=1000)
-        assert caught.value.status == 413
-        assert (
-            caught.value.message
-            == "body of 2,000 bytes exceeds the limit of 1,000 (policy limits.max_body_bytes)"
-        )
-    else:
-        check_declared_length(headers, max_body_bytes=1000)
 
 
 # --- explain -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ No timed assertions: every wait is bounded and only turns a hang into a failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import random
@@ -21,13 +22,14 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
+from sidecar.admission import Admission, Handle, Outcome
+from sidecar.clock import LoopClock
 from sidecar.core.decision import Reason
 from sidecar.core.ledger import LedgerTotals
 from sidecar.observe import Telemetry
 from sidecar.proxy import Proxy, make_session
 from sidecar.tokens import PromptCounter
-from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot
+from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot, submit
 from tests.harness import (
     FAST,
     METRICS_TEMPLATE,
@@ -132,16 +134,24 @@ async def test_client_leaving_as_the_gate_admits_it_leaks_nothing() -> None:
     """The client of a held request leaves; before its task runs the CancelledError handler, something
     else on the loop pumps the queue (a scrape, a release, a timer) and the gate admits it.
 
-    `Proxy._acquire`'s ``on_done`` drops the ticket because the future is already cancelled, and the
-    ``except`` branch then calls ``Admission.cancel`` on a waiter that is already done (a no-op). The
-    ticket is never finished: its ledger entry leaks for ever and the request has no outcome.
+    Once `Proxy._acquire`'s ``on_done`` dropped the ticket because the future was already cancelled,
+    and the ``except`` branch then called ``Admission.cancel`` on a waiter already done (a no-op): the
+    ticket was never finished, its ledger entry leaked for ever and the request had no outcome. Now
+    the handle ends (client_gone) whatever state the gate left it in.
     """
     loop = asyncio.get_running_loop()
     rec = Recorder()
-    a = Admission(small_policy(), loop.time, observer=rec)
+    a = Admission(small_policy(), LoopClock(loop.time), observer=rec)
     a.update_snapshot(snapshot(loop.time(), free_bytes=0))
     proxy = Proxy("http://127.0.0.1:9", a, PromptCounter())
-    task = asyncio.create_task(proxy._acquire(ask(a, 1000)))
+    scope = {"type": "http", "method": "POST", "path": "/generate", "headers": []}
+    sent: list[dict[str, Any]] = []
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    handle = a.open()
+    task = asyncio.create_task(proxy._gated(scope, json.dumps(gen()).encode(), send, handle))
     await eventually(lambda: a.held == 1)
 
     task.cancel()  # what _until_disconnect's listener does when http.disconnect arrives
@@ -150,7 +160,7 @@ async def test_client_leaving_as_the_gate_admits_it_leaks_nothing() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
 
-    assert a.held == 0
+    assert a.held == 0 and handle.outcome is Outcome.CLIENT_GONE and sent == []
     assert a.ledger.totals == LedgerTotals(), "ledger entry of a request whose client left leaked"
     assert sum(rec.outcomes.values()) == 1 and rec.outcomes[Outcome.CLIENT_GONE] == 1
 
@@ -219,7 +229,7 @@ async def test_put_generate_is_gated(tmp_path: Path) -> None:
 def test_observer_failure_after_charge_leaks_the_ledger() -> None:
     """`Admission._admit` charges the ledger, then tells the observer. The default observer writes the
     decision log (stderr or --decision-log FILE) synchronously; if that write fails (ENOSPC, EPIPE)
-    the exception escapes `submit` after the charge, no Ticket is returned, and the entry can never be
+    the exception escapes `submit` after the charge, the handle never learns it, and the entry can never be
     released: every such failure shrinks the lane's headroom for good (and the request, answered 500
     by uvicorn, has no outcome)."""
 
@@ -233,13 +243,12 @@ def test_observer_failure_after_charge_leaks_the_ledger() -> None:
     clock = ManualClock()
     a = Admission(small_policy(), clock, observer=Telemetry(CollectorRegistry(), FullDisk()))
     a.update_snapshot(snapshot(clock(), free_bytes=10 * MIB))
-    try:
-        r: Ticket | Rejection | Waiter | None = a.submit(ask(a, 1000), lambda r: None)
-    except OSError:
-        r = None
-    if isinstance(r, Ticket):
-        r.finish(Outcome.COMPLETED)
-    assert a.ledger.totals == LedgerTotals(), "charged, but nobody holds a ticket to release it"
+    h = a.open()
+    with contextlib.suppress(OSError):
+        h.submit(ask(a, 1000))
+    h.end(Outcome.COMPLETED)
+    assert h.outcome is Outcome.COMPLETED
+    assert a.ledger.totals == LedgerTotals(), "charged, but nobody holds a handle to release it"
 
 
 def test_policy_reload_recosts_held_requests(clock: ManualClock) -> None:
@@ -255,11 +264,11 @@ def test_policy_reload_recosts_held_requests(clock: ManualClock) -> None:
 
     a = Admission(small_policy(), clock)
     a.update_snapshot(snap)
-    got: list[Ticket | Rejection] = []
-    w = a.submit(ask(a, 1000), got.append)  # 1000 KiB under the old cost model
-    assert isinstance(w, Waiter)
+    got: list[Handle] = []
+    w = submit(a, ask(a, 1000), got)  # 1000 KiB under the old cost model
+    assert w.held
     a.reload(cheaper)
-    assert len(got) == 1 and isinstance(got[0], Ticket), "held request still priced by the old policy"
+    assert got == [w] and w.admitted, "held request still priced by the old policy"
 
 
 async def test_duplicate_connection_headers_in_the_response_are_all_honoured(tmp_path: Path) -> None:
@@ -331,11 +340,11 @@ def test_decision_log_is_written_off_the_event_loop() -> None:
 
     async def one_request() -> None:
         loop = asyncio.get_running_loop()
-        a = Admission(small_policy(), loop.time, observer=telemetry)
+        a = Admission(small_policy(), LoopClock(loop.time), observer=telemetry)
         a.update_snapshot(snapshot(loop.time(), free_bytes=10 * MIB))
-        t = a.submit(ask(a, 1000), lambda r: None)
-        assert isinstance(t, Ticket)
-        t.finish(Outcome.COMPLETED)
+        t = submit(a, ask(a, 1000))
+        assert t.admitted
+        t.end(Outcome.COMPLETED)
 
     asyncio.run(one_request())
     telemetry.close()  # drain the writer thread: the lines are written by now, off the loop
@@ -456,36 +465,34 @@ def test_retry_after_is_never_zero_on_any_rejection(clock: ManualClock) -> None:
     """Every rejection the controller can produce, each with retry_after_s >= 1."""
     a = Admission(small_policy(hold__max_held=1, hold__max_wait_s=5), clock)
     a.update_snapshot(snapshot(clock(), free_bytes=0))
-    seen: list[Rejection] = []
-    a.submit(ask(a, 1000), seen.append)  # held
-    r = a.submit(ask(a, 1000), seen.append)  # queue_full
-    assert isinstance(r, Rejection)
-    seen.append(r)
-    unfit = a.submit(ask(a, 200_000), seen.append)  # unfit_request
-    assert isinstance(unfit, Rejection)
-    seen.append(unfit)
-    clock.advance(5)
-    a.expire()  # hold_timeout
+    seen: list[Handle] = []
+    submit(a, ask(a, 1000), seen)  # held
+    seen.append(submit(a, ask(a, 1000)))  # queue_full
+    seen.append(submit(a, ask(a, 200_000)))  # unfit_request
+    clock.advance(5)  # hold_timeout
     clock.advance(60)
-    stale = a.submit(ask(a, 1000, priority=1), seen.append)  # signals stale: held
+    stale = submit(a, ask(a, 1000, priority=1), seen)  # signals stale: held
+    assert stale.held
     a.drain()  # draining, for the held one and a new one
-    seen.append(a.submit(ask(a, 1), seen.append))  # type: ignore[arg-type]
-    assert isinstance(stale, Waiter)
-    reasons = {x.reason for x in seen}
-    assert {Reason.QUEUE_FULL, Reason.UNFIT_REQUEST, Reason.HOLD_TIMEOUT, Reason.DRAINING} <= reasons
-    assert all(x.decision.retry_after_s is not None and x.decision.retry_after_s >= 1 for x in seen)
+    seen.append(submit(a, ask(a, 1)))
+    assert all(h.outcome is Outcome.REJECTED and h.decision is not None for h in seen)
+    reasons = {h.decision.reason for h in seen if h.decision}
+    assert reasons == {Reason.QUEUE_FULL, Reason.UNFIT_REQUEST, Reason.HOLD_TIMEOUT, Reason.DRAINING}
+    assert all(
+        h.decision and h.decision.retry_after_s is not None and h.decision.retry_after_s >= 1 for h in seen
+    )
 
 
 def test_hold_queue_heap_stays_bounded_under_churn(clock: ManualClock) -> None:
     """Cancelled waiters are removed lazily; the heap must not grow with the number ever held."""
     a = Admission(small_policy(hold__max_held=100), clock)
     a.update_snapshot(snapshot(clock(), free_bytes=0))
-    keep = [a.submit(ask(a, 1000), lambda r: None) for _ in range(5)]
+    keep = [submit(a, ask(a, 1000)) for _ in range(5)]
     for _ in range(10_000):
-        w = a.submit(ask(a, 1000), lambda r: None)
-        assert isinstance(w, Waiter)
-        a.cancel(w)
-    assert a.held == 5 and all(isinstance(w, Waiter) for w in keep)
+        w = submit(a, ask(a, 1000))
+        assert w.held
+        w.end(Outcome.CLIENT_GONE)
+    assert a.held == 5 and all(w.held for w in keep)
     assert len(a._queue.heap) <= 2 * a.held + 17
 
 
@@ -493,12 +500,12 @@ def test_no_await_between_decision_and_charge(clock: ManualClock) -> None:
     """submit is a plain function: the decision and the charge happen in one synchronous call."""
     import inspect
 
-    assert not inspect.iscoroutinefunction(Admission.submit)
+    assert not inspect.iscoroutinefunction(Handle.submit)
     assert not inspect.iscoroutinefunction(Admission.pump)
     a = Admission(small_policy(), clock)
     a.update_snapshot(snapshot(clock(), free_bytes=3 * MIB))
-    results = [a.submit(ask(a, 1000), lambda r: None) for _ in range(6)]
-    assert sum(isinstance(r, Ticket) for r in results) == 3 and a.ledger.totals.requests == 3
+    results = [submit(a, ask(a, 1000)) for _ in range(6)]
+    assert sum(h.admitted for h in results) == 3 and a.ledger.totals.requests == 3
 
 
 async def test_client_leaving_while_tokens_are_counted(tmp_path: Path) -> None:
@@ -549,7 +556,7 @@ async def test_exception_inside_send_still_ends_the_ticket(tmp_path: Path) -> No
     engine.release.set()
     loop = asyncio.get_running_loop()
     rec = Recorder()
-    a = Admission(small_policy(), loop.time, observer=rec)
+    a = Admission(small_policy(), LoopClock(loop.time), observer=rec)
     a.update_snapshot(snapshot(loop.time(), free_bytes=10 * MIB))
     async with serve(engine) as engine_url:
         proxy = Proxy(engine_url, a, PromptCounter())

@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sidecar.admission import Admission, Outcome, Rejection, Ticket, Waiter
+from sidecar.admission import Admission, Handle, Outcome
 from sidecar.core import demand
 from sidecar.core.decide import headroom_bytes
-from sidecar.core.decision import Decision
+from sidecar.core.decision import Action, Decision
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.snapshot import SourceHealth
@@ -63,7 +63,7 @@ class Attempt:
     cached_tokens: int | None
     priority: int
     tries: int = 0
-    ticket: Ticket | None = None
+    handle: Handle | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
 
@@ -255,6 +255,21 @@ class Recorder:
         self.outcomes[outcome.value] += 1
 
 
+class _VirtualTimer:
+    """A hold deadline on the virtual clock; cancelled ones still pop from the heap, as no-ops."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def fire(self) -> None:
+        if self.fn is not None:
+            fn, self.fn = self.fn, None
+            fn()
+
+    def cancel(self) -> None:
+        self.fn = None
+
+
 class Driver:
     def __init__(
         self, scenario: Scenario, profile: LaneProfile, policy: LoadedPolicy | None, seed: int
@@ -272,9 +287,7 @@ class Driver:
         self.attempts: dict[str, Attempt] = {}
         self.records: dict[str, RequestRecord] = {}
         self.recorder = Recorder(self)
-        self.admission = (
-            Admission(policy, lambda: self.t, observer=self.recorder) if policy is not None else None
-        )
+        self.admission = Admission(policy, self, observer=self.recorder) if policy is not None else None
         self.engine_health = SourceHealth()
         self.series: dict[str, list[Any]] = {
             k: []
@@ -302,6 +315,16 @@ class Driver:
         heapq.heappush(self._heap, (max(t, self.t), self._seq, fn, housekeeping))
         self._pending += not housekeeping
 
+    # The virtual clock the admission controller reads and schedules its hold deadlines on.
+
+    def now(self) -> float:
+        return self.t
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> _VirtualTimer:
+        timer = _VirtualTimer(fn)
+        self.at(when, timer.fire)
+        return timer
+
     def new_rid(self, prefix: str) -> str:
         self._rids[prefix] += 1
         return f"{prefix}-{self._rids[prefix]}"
@@ -324,23 +347,23 @@ class Driver:
             request_id=a.rid,
             chunk=self.profile.chunked_prefill_size,
         )
-        result = self.admission.submit(d, lambda r, a=a: self._gate_answered(a, r))
-        if not isinstance(result, Waiter):
-            self._gate_answered(a, result)
-        else:
+        h = self.admission.open()
+        if h.submit(d, lambda h, a=a: self._gate_answered(a, h)) is Action.HOLD:
             self.records[a.rid].outcome = "held"
-            self.at(result.deadline, self.admission.expire)
+        else:
+            self._gate_answered(a, h)
 
-    def _gate_answered(self, a: Attempt, r: Ticket | Rejection) -> None:
+    def _gate_answered(self, a: Attempt, h: Handle) -> None:
         rec = self.records[a.rid]
         rec.held_s = round(self.t - a.arrival, 4)
-        if isinstance(r, Rejection):
-            rec.outcome = f"rejected:{r.reason.value}"
-            rec.retry_after_s = r.decision.retry_after_s
+        if not h.admitted:
+            assert h.decision is not None and h.decision.reason is not None
+            rec.outcome = f"rejected:{h.decision.reason.value}"
+            rec.retry_after_s = h.decision.retry_after_s
             rec.end = self.t
-            a.client.on_done(a, False, float(r.decision.retry_after_s or 1))
+            a.client.on_done(a, False, float(h.decision.retry_after_s or 1))
             return
-        a.ticket = r
+        a.handle = h
         self._to_engine(a)
 
     def _to_engine(self, a: Attempt) -> None:
@@ -364,8 +387,8 @@ class Driver:
                 a.first_token_at = ev.t
                 self.records[ev.rid].ttft_s = round(ev.t - a.arrival, 4)
                 self.records[ev.rid].cached_tokens = ev.cached_tokens
-                if a.ticket is not None:
-                    a.ticket.prefill_done()
+                if a.handle is not None:
+                    a.handle.prefill_done()
             elif isinstance(ev, Finished):
                 self._end(ev.rid, ok=True, completion=ev.completion_tokens)
             elif isinstance(ev, Failed):
@@ -391,8 +414,8 @@ class Driver:
         rec.outcome = "completed" if ok else "failed"
         rec.completion_tokens = completion
         rec.end = self.t
-        if a.ticket is not None:
-            a.ticket.finish(Outcome.COMPLETED if ok else Outcome.UPSTREAM_ERROR)
+        if a.handle is not None:
+            a.handle.end(Outcome.COMPLETED if ok else Outcome.UPSTREAM_ERROR)
         a.client.on_done(a, ok, None)
 
     # -- the sidecar's pollers ----------------------------------------------------------------------
