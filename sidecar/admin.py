@@ -88,6 +88,8 @@ def state(app: Host) -> dict[str, Any]:
             "age_s": snap.engine_age(now),
             "consecutive_failures": snap.engine_health.consecutive_failures,
             "last_error": snap.engine_health.last_error,
+            # Series whose values could not be true in the last reading, which was then refused.
+            "implausible_series": list(app.scraper.last_implausible) if app.scraper else [],
             "on_stale": a.policy.engine.on_stale.value,
         },
         "gpu": {

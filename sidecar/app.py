@@ -147,6 +147,7 @@ class SidecarApp:
             clock=self.clock,
             max_metrics_bytes=policy.engine.max_metrics_bytes,
         )
+        self.scraper.on_implausible = lambda series: self.telemetry.implausible("engine", series)
         self._tasks.append(asyncio.create_task(self.scraper.run(self._on_engine), name="engine-scraper"))
         if self.gpu_poller is not None:
             self._tasks.append(asyncio.create_task(self.gpu_poller.run(self._on_gpu), name="gpu-poller"))

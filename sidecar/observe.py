@@ -171,6 +171,13 @@ class Telemetry:
             registry=registry,
         )
         self._reload_ok.set(1)
+        self._implausible = Counter(
+            PREFIX + "implausible_values",
+            "Readings refused because a value could not be true (NaN, negative, absurdly large), "
+            "by signal and the series that carried it; each refused reading is a failed read",
+            ["signal", "series"],
+            registry=registry,
+        )
         self._writer = LineWriter(decision_log) if decision_log is not None else None
         self.context: Callable[[], dict[str, Any]] = dict
 
@@ -197,6 +204,10 @@ class Telemetry:
     def first_byte(self, seconds: float) -> None:
         """The upstream's first body byte for an admitted request arrived ``seconds`` after forwarding."""
         self._first_byte.observe(seconds)
+
+    def implausible(self, signal: str, series: str) -> None:
+        """A reading of ``signal`` was refused because ``series`` held a value that cannot be true."""
+        self._implausible.labels(signal, series).inc()
 
     def policy_reload(self, applied: bool) -> None:
         """One reload attempt, from either path (SIGHUP or ``POST /admission/policy``)."""

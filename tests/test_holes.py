@@ -318,3 +318,182 @@ async def test_a_huge_declared_size_is_judged_unfit(tmp_path: Path) -> None:
                 )
                 assert e.status_code == 200 and e.json()["reason"] == "unfit_request", e.text
         await settled(app, 2)
+
+
+# --- 9. engine values that cannot be true -----------------------------------------------------
+
+
+class BrokenMetricsEngine(FakeEngine):
+    """A FakeEngine whose /metrics answer a test can replace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: str | None = None
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "http" and scope["path"] == "/metrics" and self.metrics is not None:
+            body = self.metrics.encode()
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        await super().__call__(scope, receive, send)
+
+
+GOOD = METRICS_TEMPLATE.format(running=0.0, queue=0.0)
+BAD_METRICS = {
+    "empty": ("", []),
+    "all NaN": (re.sub(r"\} [0-9.]+$", "} NaN", GOOD, flags=re.M), ["sglang:num_running_reqs"]),
+    "all +Inf": (re.sub(r"\} [0-9.]+$", "} +Inf", GOOD, flags=re.M), ["sglang:kv_available_tokens"]),
+    "negative pool": (GOOD.replace("} 100000.0", "} -100000.0"), ["sglang:kv_available_tokens"]),
+    "huge pool": (GOOD.replace("} 100000.0", "} 1e300"), ["sglang:kv_available_tokens"]),
+}
+STALE = {"engine__poll_interval_s": 0.05, "engine__max_age_s": 0.3, "engine__on_stale": "reject"}
+
+
+@pytest.mark.parametrize("case", list(BAD_METRICS))
+async def test_impossible_engine_values_are_a_failed_read(tmp_path: Path, case: str) -> None:
+    text, series = BAD_METRICS[case]
+    engine = BrokenMetricsEngine()
+    async with lane(tmp_path, engine, **STALE) as (url, app, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert (await client.get(url + "/readyz")).status_code == 200
+            engine.metrics = text
+
+            async def stale() -> bool:
+                return ((await client.get(url + "/admission/state")).json()["engine"]["age_s"] or 0) > 0.35
+
+            await eventually(stale)
+            assert (await client.get(url + "/readyz")).status_code == 503
+            state = (await client.get(url + "/admission/state")).json()["engine"]
+            assert state["consecutive_failures"] >= 1
+            for name in series:
+                assert name in state["implausible_series"], state
+                assert name in state["last_error"]
+            r = await client.post(url + "/generate", json=gen(stream=False))
+            # stale first, then unavailable after policy engine.unavailable_after_failures reads
+            assert r.status_code == 503, r.text
+            assert r.headers["x-admission-reason"] in ("signals_stale", "engine_unavailable")
+            counted = sum(
+                app.registry.get_sample_value(
+                    "sglang_sidecar_implausible_values_total", {"signal": "engine", "series": name}
+                )
+                or 0
+                for name in series
+            )
+            assert counted >= len(series)
+            engine.metrics = None  # the engine recovers: so does the gate
+
+            async def ready() -> bool:
+                return (await client.get(url + "/readyz")).status_code == 200
+
+            await eventually(ready)
+            assert (await client.get(url + "/admission/state")).json()["engine"]["implausible_series"] == []
+            assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
+        await settled(app, 2)
+
+
+def test_plausibility_rules() -> None:
+    from sidecar.signals.plausible import check_engine_fields
+
+    ok = {
+        "running_requests": 3,
+        "full_token_usage": 1.0,
+        "chunked_prefill_size": -1,
+        "kv_available_tokens": 0,
+    }
+    assert check_engine_fields(ok) == []
+    bad = check_engine_fields(
+        {
+            "full_token_usage": 1.7,
+            "max_total_tokens": -5,
+            "queue_requests": 2**50,
+            "mamba_usage": float("nan"),
+        },
+        {"max_total_tokens": "sglang:max_total_num_tokens"},
+    )
+    assert [p.series for p in bad] == [
+        "full_token_usage",
+        "sglang:max_total_num_tokens",
+        "queue_requests",
+        "mamba_usage",
+    ]
+
+
+# --- 5. the GPU file source -------------------------------------------------------------------
+
+
+async def test_gpu_fifo_does_not_block_the_proxy(tmp_path: Path) -> None:
+    """A FIFO at the GPU file's path: main's open() blocked the event loop until a writer came."""
+    import os
+    import threading
+
+    engine = FakeEngine()
+    async with lane(tmp_path, engine) as (url, _, gpu_file):
+        os.remove(gpu_file)
+        os.mkfifo(gpu_file)
+        unblocked, wrote = threading.Event(), threading.Event()
+
+        def rescue() -> None:  # bounds the test on a build that blocks: writers for the FIFO
+            if unblocked.wait(8):
+                return
+            while not unblocked.wait(0.2):
+                wrote.set()
+                with open(gpu_file, "w") as f:
+                    f.write("{}")
+
+        t = threading.Thread(target=rescue, daemon=True)
+        t.start()
+        try:
+            async with httpx.AsyncClient(timeout=10) as client:
+
+                async def refused() -> bool:
+                    s = (await client.get(url + "/admission/state")).json()["gpu"]
+                    return "FIFO" in (s["last_error"] or "")
+
+                await eventually(refused)
+                assert (await client.get(url + "/healthz")).status_code == 200
+        finally:
+            unblocked.set()
+            t.join()
+        assert not wrote.is_set(), "the proxy was stuck until the FIFO got a writer"
+
+
+async def test_gpu_file_refuses_directories_and_big_files(tmp_path: Path) -> None:
+    from sidecar.signals.gpu import FileSource, GpuSourceError
+
+    d = tmp_path / "dir.json"
+    d.mkdir()
+    with pytest.raises(GpuSourceError, match="a directory"):
+        await FileSource(d).read(1.0)
+    big_file = tmp_path / "big.json"
+    big_file.write_text('{"free_bytes": 1, "total_bytes": 2, "pad": "' + "x" * 100_000 + '"}')
+    with pytest.raises(GpuSourceError, match="larger than"):
+        await FileSource(big_file).read(1.0)
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"free_bytes": 1e300, "total_bytes": 1e300}')
+    with pytest.raises(GpuSourceError, match="more than any GPU"):
+        await FileSource(huge).read(1.0)
+
+
+async def test_gpu_file_age_is_from_the_last_change_seen_not_a_future_mtime(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from sidecar.signals.gpu import FileSource
+
+    path = tmp_path / "gpu.json"
+    path.write_text('{"free_bytes": 1, "total_bytes": 2}')
+    future = time.time() + 3600
+    os.utime(path, (future, future))
+    source = FileSource(path)
+    assert (await source.read(100.0)).observed_at == 100.0  # a future mtime counts as now, not later
+    # the writer died: nothing changes, so the reading ages with the sidecar's clock
+    assert (await source.read(160.0)).observed_at == 100.0
+    path.write_text('{"free_bytes": 1, "total_bytes": 2}')  # rewritten, same content: a new mtime
+    os.utime(path, (future + 5, future + 5))
+    assert (await source.read(170.0)).observed_at == 170.0
+    path.write_text('{"free_bytes": 2, "total_bytes": 2}')
+    os.utime(path, (future + 5, future + 5))  # content changed, mtime pinned: still a change
+    assert (await source.read(180.0)).observed_at == 180.0

@@ -35,6 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.core.snapshot import EngineSignals, SourceHealth
+from sidecar.signals.plausible import Implausible, check_engine_fields, describe
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,14 @@ class EngineUnavailable(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class ImplausibleReading(EngineUnavailable):
+    """The engine answered with values that cannot be true (NaN, negative, absurdly large)."""
+
+    def __init__(self, problems: list[Implausible]) -> None:
+        super().__init__(describe(problems))
+        self.problems = problems
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,6 +117,8 @@ class MetricsReading:
     fields: dict[str, object]
     pids: frozenset[str]
     sglang_families: int
+    # NaN/Inf samples of the gauges the gate reads (sidecar.signals.plausible).
+    implausible: tuple[Implausible, ...] = ()
 
 
 def _version_tuple(version: str | None) -> tuple[int, int, int] | None:
@@ -209,6 +220,7 @@ def read_metrics(text: str, *, version: str | None = None) -> MetricsReading:
     declared.update(samples)
 
     pids = frozenset(s.labels["pid"] for group in samples.values() for s in group if s.labels.get("pid"))
+    nonfinite: dict[str, Implausible] = {}
 
     def gauge(name: str, how: str) -> float | None:
         # dp rank -> (tp rank, value): one series per DP rank, from its lowest TP rank.
@@ -218,6 +230,7 @@ def read_metrics(text: str, *, version: str | None = None) -> MetricsReading:
                 continue  # per-priority breakdown; the total is the priority="" series
             value = float(s.value)
             if not math.isfinite(value):
+                nonfinite.setdefault(name, Implausible(name, value, "not a finite number"))
                 continue
             dp, tp = s.labels.get("dp_rank"), _rank(s.labels.get("tp_rank"))
             held = best.get(dp)
@@ -262,6 +275,7 @@ def read_metrics(text: str, *, version: str | None = None) -> MetricsReading:
         fields=out,
         pids=pids,
         sglang_families=len(declared),
+        implausible=tuple(nonfinite.values()),
     )
 
 
@@ -278,6 +292,16 @@ def _as_int(value: object, where: str) -> int | None:
     return round(value)
 
 
+# EngineSignals field -> /v1/loads per-rank key.
+_LOADS_KEYS = {
+    "running_requests": "num_running_reqs",
+    "queue_requests": "num_waiting_reqs",
+    "pending_prefill_tokens": "num_waiting_uncached_tokens",
+    "max_running_requests": "max_running_requests",
+    "max_total_tokens": "max_total_num_tokens",
+}
+
+
 def parse_loads(obj: object) -> dict[str, object]:
     """EngineSignals values from `GET /v1/loads` JSON (0.5.9+), DP ranks summed.
 
@@ -286,15 +310,8 @@ def parse_loads(obj: object) -> dict[str, object]:
     """
     if not isinstance(obj, dict) or not isinstance(obj.get("loads"), list):
         raise ValueError('expected an object with a "loads" list')
-    mapping = {
-        "running_requests": "num_running_reqs",
-        "queue_requests": "num_waiting_reqs",
-        "pending_prefill_tokens": "num_waiting_uncached_tokens",
-        "max_running_requests": "max_running_requests",
-        "max_total_tokens": "max_total_num_tokens",
-    }
     out: dict[str, object] = {}
-    for field, key in mapping.items():
+    for field, key in _LOADS_KEYS.items():
         values = []
         for i, rank in enumerate(obj["loads"]):
             if not isinstance(rank, dict):
@@ -464,6 +481,15 @@ async def poll_forever(
         await asyncio.sleep(max(0.0, interval - (clock() - started)))
 
 
+def _series_name(source: str, field: str) -> str:
+    """The engine's own name of a field's source: what an operator greps for."""
+    if source == "metrics" and field in _GAUGES:
+        return _GAUGES[field][0]
+    if source == "loads":
+        return "/v1/loads " + _LOADS_KEYS.get(field, field)
+    return f"/{source} {field}"
+
+
 class EngineScraper:
     """Polls one SGLang server and merges its endpoints into `EngineSignals`.
 
@@ -512,6 +538,10 @@ class EngineScraper:
         self._pids: frozenset[str] = frozenset()
         self._pool: object = None
         self._version: str | None = None  # from /v1/loads or /server_info; settles token_usage meaning
+        # Series whose values could not be true in the last reading (shown in /admission/state), and
+        # a hook that counts each one.
+        self.last_implausible: tuple[str, ...] = ()
+        self.on_implausible: Callable[[str], None] = lambda series: None
 
     async def aclose(self) -> None:
         """Close the HTTP client if this scraper created it (an injected one belongs to the caller)."""
@@ -581,7 +611,9 @@ class EngineScraper:
             reading, blank = await asyncio.to_thread(_decode_and_read, body, self._version)
         except ValueError as exc:
             raise EngineUnavailable(f"GET {url}: the response is not Prometheus text ({exc})") from exc
-        if reading.sglang_families == 0 and not blank:
+        if blank:
+            raise EngineUnavailable(f"GET {url}: empty answer — the engine's metrics exporter is broken")
+        if reading.sglang_families == 0:
             raise EngineUnavailable(
                 f"GET {url}: Prometheus text without any sglang: metric"
                 f" — is {self.base_url} an SGLang server?"
@@ -673,12 +705,20 @@ class EngineScraper:
             await self._read_server_info()
 
         merged: dict[str, object] = {}
+        series: dict[str, str] = {}
         sources: list[str] = []
         for name, part in (("server_info", self._server_info), ("metrics", reading.fields), ("loads", loads)):
             if part is None:
                 continue
             merged.update({k: v for k, v in part.items() if k in _ENGINE_FIELDS})
+            series.update({k: _series_name(name, k) for k in part if k in _ENGINE_FIELDS})
             sources.append(name)
+        problems = [*reading.implausible, *check_engine_fields(merged, series)]
+        self.last_implausible = tuple(p.series for p in problems)
+        if problems:
+            for p in problems:
+                self.on_implausible(p.series)
+            raise ImplausibleReading(problems)
         return EngineSignals(observed_at=observed_at, sources=tuple(sources), **merged)  # type: ignore[arg-type]
 
     async def run(self, on_update: Callable[[EngineSignals | None, SourceHealth], None]) -> NoReturn:

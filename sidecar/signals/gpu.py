@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import json
 import math
+import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +41,8 @@ from sidecar.core.snapshot import DeviceMemory, GpuSignals, SourceHealth
 from sidecar.signals.engine import make_control_client, poll_forever
 
 MIB = 1024 * 1024
+# No GPU has a petabyte: a larger figure is a broken writer, and would open the gate wide.
+MAX_DEVICE_BYTES = 1 << 50
 
 
 class GpuSourceError(Exception):
@@ -327,6 +331,8 @@ def _byte_count(obj: dict[str, Any], key: str, where: str) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise GpuSourceError(f"{where}: {key!r} must be a non-negative integer of bytes, got {value!r}")
+    if value > MAX_DEVICE_BYTES:
+        raise GpuSourceError(f"{where}: {key!r} of {value:.3g} bytes is more than any GPU has (1 PiB)")
     return value
 
 
@@ -366,29 +372,74 @@ def parse_gpu_file(text: str, path: str) -> list[DeviceMemory]:
 class FileSource:
     """Reads a small JSON file on every poll: for emulators, tests, and exporters we do not speak.
 
-    The reading is as old as the file: its modification time, not the time we read it, sets
-    ``observed_at``, so a writer that died shows up as stale signals instead of a frozen "free" value.
+    The reading is as old as the file's last change *as seen here*: a change of its content, inode,
+    size or modification time since the previous poll marks it fresh at the poll that saw it, and
+    nothing else does. So a writer that died shows up as stale signals instead of a frozen "free"
+    value, even when its clock put the file's mtime in the future. Only the first read, with nothing
+    seen before, takes its age from the mtime (a future one counts as now).
     Write it atomically (write + rename) and at least as often as the policy's ``gpu.max_age_s``.
+
+    The file is opened non-blocking and read off the event loop, at most ``MAX_BYTES``: a FIFO, a
+    device or a directory at the path is refused instead of blocking the whole proxy in ``open()``.
     """
+
+    MAX_BYTES = 64 * 1024
 
     def __init__(self, path: str | Path, *, spec: str | None = None) -> None:
         self.path = Path(path)
         self.spec = spec or f"file:{path}"
+        self._seen: tuple[object, ...] | None = None
+        self._seen_at = 0.0
+
+    def _read_file(self) -> tuple[tuple[int, int, int], bytes, float]:
+        """(inode, size, mtime_ns), the bytes and the mtime of the file; blocking, run in a thread."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise GpuSourceError(
+                    f"{self.spec}: {self.path} is not a regular file ({_file_kind(st.st_mode)}); "
+                    "write the JSON to a file and rename it into place"
+                )
+            data = os.read(fd, self.MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > self.MAX_BYTES:
+            raise GpuSourceError(f"{self.spec}: {self.path} is larger than {self.MAX_BYTES:,} bytes")
+        return (st.st_ino, st.st_size, st.st_mtime_ns), data, st.st_mtime
 
     async def read(self, now: float) -> GpuSignals:
         try:
-            mtime = self.path.stat().st_mtime
-            text = self.path.read_text(encoding="utf-8")
+            fingerprint, data, mtime = await asyncio.to_thread(self._read_file)
+            text = data.decode("utf-8")
         except FileNotFoundError as exc:
             raise GpuSourceError(f"{self.spec}: {self.path} does not exist") from exc
         except (OSError, UnicodeDecodeError) as exc:
             raise GpuSourceError(f"{self.spec}: cannot read {self.path}: {exc}") from exc
         devices = parse_gpu_file(text, str(self.path))
-        age = max(0.0, time.time() - mtime)
-        return GpuSignals(observed_at=now - age, source=self.spec, devices=tuple(devices))
+        seen = (*fingerprint, data)
+        if self._seen is None:
+            self._seen_at = now - min(max(0.0, time.time() - mtime), now)
+        elif seen != self._seen:
+            self._seen_at = now
+        self._seen = seen
+        return GpuSignals(observed_at=self._seen_at, source=self.spec, devices=tuple(devices))
 
     async def aclose(self) -> None:
         return None
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
 
 
 # --------------------------------------------------------------------------------------------------
