@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
+from sidecar.access import AccessLog
 from sidecar.admin import ADMIN_PATHS, build_admin
 from sidecar.admission import Admission
 from sidecar.asgi import Receive, Scope, Send
@@ -79,6 +80,8 @@ class SidecarApp:
             policy_path, self.apply_policy, lambda: self.admission.loaded, self.telemetry.policy_reload
         )
         self.admin = build_admin(self, admin_token)
+        # One access-log line per request; its in-flight count is what a drain waits for.
+        self.access = AccessLog(self._http, clock)
         self.registry.register(
             StateCollector(self.admission, clock, self.gate_open, lambda: self.telemetry.dropped_log_lines)
         )
@@ -98,19 +101,22 @@ class SidecarApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            path = scope["path"]
-            # Every variant the engine would route to a prefill route is gated (`/generate/`, `//generate`).
-            route = self.routes.match(path, scope["method"])
-            if route is not None:
-                await self.proxy(scope, receive, send, gated=True, route=route)
-            elif path in ADMIN_PATHS:
-                await self.admin(scope, receive, send)
-            elif normalize_path(path) in self.routes.refused:
-                await send_response(send, _refused(path))
-            else:
-                await self.proxy(scope, receive, send, gated=False)
+            await self.access(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        # Every variant the engine would route to a prefill route is gated (`/generate/`, `//generate`).
+        route = self.routes.match(path, scope["method"])
+        if route is not None:
+            await self.proxy(scope, receive, send, gated=True, route=route)
+        elif path in ADMIN_PATHS:
+            await self.admin(scope, receive, send)
+        elif normalize_path(path) in self.routes.refused:
+            await send_response(send, _refused(path))
+        else:
+            await self.proxy(scope, receive, send, gated=False)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -155,6 +161,42 @@ class SidecarApp:
             asyncio.get_running_loop().add_signal_handler(
                 signal.SIGHUP, lambda: self._spawn(self.reload_from_file(), "policy-reload")
             )
+
+    async def drain(self, timeout_s: float) -> bool:
+        """SIGTERM: stop admitting (new and held requests get 503 ``draining``, ``/readyz`` fails) while
+        the listener stays open, and wait up to ``timeout_s`` for in-flight requests to finish. True
+        when they all did. Both ends are logged: an SRE reading a restart wants to know what it cut."""
+        started = self.clock()
+        held = self.admission.held
+        self.admission.drain()
+        log.info(
+            "drain started: %d requests in flight, %d held (rejected with draining); up to %g s to finish",
+            self.access.in_flight,
+            held,
+            timeout_s,
+            extra={"fields": {"event": "drain_start", "in_flight": self.access.in_flight, "held": held}},
+        )
+        try:
+            await asyncio.wait_for(self.access.wait_idle(), timeout_s)
+            finished = True
+        except TimeoutError:
+            finished = False
+        left = self.access.in_flight
+        log.log(
+            logging.INFO if finished else logging.WARNING,
+            "drain ended after %.1f s: %s",
+            self.clock() - started,
+            "every in-flight request finished" if finished else f"{left} still in flight, to be cut",
+            extra={
+                "fields": {
+                    "event": "drain_end",
+                    "seconds": round(self.clock() - started, 3),
+                    "in_flight": left,
+                    "finished": finished,
+                }
+            },
+        )
+        return finished
 
     async def shutdown(self) -> None:
         for t in self._tasks:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import logging
 import sys
+import typing
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -20,58 +23,54 @@ EXIT_USAGE = 2
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """One flag per Settings field, with its environment variable and default in the help."""
+    from sidecar.settings import Settings
+
     p = sub.add_parser(
         "serve",
         help="run the admission proxy in front of one SGLang server",
-        description="Run the admission proxy. Every option can also be set by its environment variable; "
-        "a flag wins over the environment.",
+        description="Run the admission proxy. Every option can also be set by its environment variable "
+        "(shown in brackets); a flag wins over the environment.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="GPU sources: nvml (all devices) | nvml:<uuid>[,<uuid>...] | dcgm:<url of dcgm-exporter "
         '/metrics>[#<uuid>,...] | file:<path to {"free_bytes":N,"total_bytes":N}>\n'
-        "Reload the policy with SIGHUP or POST /admission/policy (bearer token).",
+        "Reload the policy with SIGHUP or POST /admission/policy (bearer token; written to the policy "
+        "file). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener "
+        "closes. A second SIGTERM exits at once.",
     )
-    opt = p.add_argument
-    opt("--upstream", metavar="URL", help="SGLang base URL, e.g. http://127.0.0.1:30000 [SIDECAR_UPSTREAM]")
-    opt(
-        "--listen", metavar="HOST:PORT", help="address to listen on (default 127.0.0.1:8001) [SIDECAR_LISTEN]"
-    )
-    opt("--policy", metavar="FILE", help="lane policy YAML, see policies/ [SIDECAR_POLICY]")
-    opt("--gpu-source", metavar="SPEC", help="where free GPU memory is read [SIDECAR_GPU_SOURCE]")
-    opt(
-        "--mode",
-        choices=["enforce", "shadow"],
-        help="shadow: decide and record, always forward [SIDECAR_MODE]",
-    )
-    opt(
-        "--admin-token-file",
-        metavar="FILE",
-        help="bearer token for POST /admission/policy [SIDECAR_ADMIN_TOKEN_FILE]",
-    )
-    opt(
-        "--decision-log",
-        metavar="FILE",
-        help="append decision JSON lines here (default stderr) [SIDECAR_DECISION_LOG]",
-    )
-    opt("--max-connections", type=int, metavar="N", help="upstream connection pool size (default 1024)")
-    opt(
-        "--upstream-read-timeout-s",
-        type=float,
-        metavar="S",
-        help="max gap between upstream bytes (default 1800)",
-    )
-    opt("--drain-timeout-s", type=float, metavar="S", help="SIGTERM: time for in-flight streams (default 30)")
-    opt(
-        "--trust-emulator-sizes",
-        action="store_true",
-        default=None,
-        help="honour a client's emulator.prompt_tokens size declaration: only for load generation "
-        "against the emulator, never in front of a real engine (default off) [SIDECAR_TRUST_EMULATOR_SIZES]",
-    )
-    opt(
-        "--log-level",
-        choices=["debug", "info", "warning", "error"],
-        help="(default info) [SIDECAR_LOG_LEVEL]",
-    )
+    for name, field in Settings.model_fields.items():
+        kwargs: dict[str, Any] = {}
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        choices = _choices(field.annotation)
+        if field.annotation is bool:
+            kwargs["action"] = "store_true"
+            kwargs["default"] = None  # unset: the environment or the default decides
+        elif choices:
+            kwargs["choices"] = choices
+        else:
+            kwargs["metavar"] = extra.get("metavar") or name.upper()
+            if field.annotation in (int, float):
+                kwargs["type"] = field.annotation
+        if field.is_required():
+            default = "required"
+        elif field.default is None:
+            default = "none"
+        else:
+            default = f"default {getattr(field.default, 'value', field.default)}"
+            if field.annotation is bool:
+                default = "default on" if field.default else "default off"
+        env = f"SIDECAR_{name.upper()}"
+        p.add_argument(
+            "--" + name.replace("_", "-"), help=f"{field.description} ({default}) [{env}]", **kwargs
+        )
+
+
+def _choices(annotation: object) -> list[str] | None:
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return [m.value for m in annotation]
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(a) for a in typing.get_args(annotation)]
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,11 +158,16 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
         return _fail("invalid settings (flags or SIDECAR_* environment):\n" + "\n".join(lines))
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # httpx logs every scrape at INFO: several lines a second of nothing.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from sidecar.logs import setup_logging
+
+    pipeline = setup_logging(settings.log_level, settings.log_format, max_queue=settings.log_queue_lines)
+    try:
+        return _serve_with(settings)
+    finally:
+        pipeline.stop()
+
+
+def _serve_with(settings: Any) -> int:
     try:
         loaded = load_policy_file(settings.policy)
     except PolicyError as e:
@@ -187,9 +191,11 @@ def _serve(args: argparse.Namespace) -> int:
         token = settings.admin_token()
     except (OSError, ValueError) as e:
         return _fail(f"--admin-token-file: {e}")
-    # One JSON object per line, to the file or to stderr; replay reads these lines back.
-    decision_log = open(settings.decision_log, "a", encoding="utf-8") if settings.decision_log else sys.stderr  # noqa: SIM115
+    # A decision-log file holds one JSON object per line (replay reads it back); without one, decision
+    # lines go through the log pipeline in --log-format.
+    decision_log = open(settings.decision_log, "a", encoding="utf-8") if settings.decision_log else None  # noqa: SIM115
     from sidecar.app import SidecarApp
+    from sidecar.observe import sidecar_version
 
     app = SidecarApp(
         upstream=settings.upstream,
@@ -204,12 +210,40 @@ def _serve(args: argparse.Namespace) -> int:
         read_timeout_s=settings.upstream_read_timeout_s,
         trust_emulator_sizes=settings.trust_emulator_sizes,
     )
+    logging.getLogger("sidecar").info(
+        "sglang-sidecar %s starting: upstream %s, listen %s, policy %s (sha256 %s), mode %s, gpu source %s",
+        sidecar_version(),
+        settings.upstream,
+        settings.listen,
+        loaded.policy.name,
+        loaded.sha256[:12],
+        settings.mode.value,
+        settings.gpu_source or "none",
+        extra={
+            "fields": {
+                "event": "start",
+                "version": sidecar_version(),
+                "upstream": settings.upstream,
+                "listen": settings.listen,
+                "policy": loaded.policy.name,
+                "policy_sha256": loaded.sha256,
+                "policy_file": str(settings.policy),
+                "mode": settings.mode.value,
+                "gpu_source": settings.gpu_source,
+                "headroom": loaded.policy.vram.headroom.value,
+                "decision_log": str(settings.decision_log) if settings.decision_log else None,
+            }
+        },
+    )
     return run_uvicorn(app, settings.host, settings.port, settings.log_level, settings.drain_timeout_s)
 
 
 def run_uvicorn(
     app: object, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0
 ) -> int:
+    """Serve until SIGTERM/SIGINT, then drain: keep listening (``/readyz`` 503 ``draining``, new gated
+    requests 503 ``draining``) while in-flight requests finish, up to ``drain_timeout_s``; only then
+    close the listener. A second signal exits at once."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -218,20 +252,32 @@ def run_uvicorn(
         port=port,
         lifespan="on",
         log_level=log_level,
+        # Our log pipeline (sidecar.logs) carries uvicorn's lines: no handlers, no access log of its own.
+        log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=drain_timeout_s,
+        # The drain already waited for in-flight requests; this is only the listener's last word.
+        timeout_graceful_shutdown=2,
         timeout_keep_alive=5,
     )
 
     class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT, reject new and held requests with `draining` while in-flight ones finish."""
+        _loop: asyncio.AbstractEventLoop | None = None
+        _draining = False
 
         def handle_exit(self, sig: int, frame: object) -> None:
-            admission = getattr(app, "admission", None)
-            loop = getattr(self, "_loop", None)
-            if admission is not None and loop is not None:
-                loop.call_soon_threadsafe(admission.drain)
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            drain = getattr(app, "drain", None)
+            if self._draining or drain is None or self._loop is None:
+                super().handle_exit(sig, frame)  # type: ignore[arg-type]
+                return
+            self._draining = True
+            loop = self._loop
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain_then_exit(drain)))
+
+        async def _drain_then_exit(self, drain: Any) -> None:
+            try:
+                await drain(drain_timeout_s)
+            finally:
+                self.should_exit = True
 
         async def serve(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
             self._loop = asyncio.get_running_loop()

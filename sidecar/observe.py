@@ -30,6 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sidecar import logs
 from sidecar.admission import Outcome
 from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action, Decision, Reason
@@ -195,11 +196,12 @@ class Telemetry:
         else:
             self._rejects[d.reason or Reason.UNFIT_REQUEST].inc()
             self._hold.observe(waited_s)
-        line = decision_record(d, cost, waited_s, ledger, self.context())
+        fields = decision_record(d, cost, waited_s, ledger, self.context())
         if self._writer is not None:
-            self._writer.put(line)
+            self._writer.put(json.dumps(fields, separators=(",", ":")))
         else:
-            log.debug(line)
+            # Through the process's log pipeline (sidecar.logs): its format, its bounded queue.
+            log.info("decision %s", d.action.value, extra={"fields": fields})
 
     def first_byte(self, seconds: float) -> None:
         """The upstream's first body byte for an admitted request arrived ``seconds`` after forwarding."""
@@ -247,7 +249,7 @@ def sidecar_version() -> str:
 
 def decision_record(
     d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
-) -> str:
+) -> dict[str, Any]:
     """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back."""
     rec: dict[str, Any] = {"ts": round(time.time(), 3), "event": "decision"}
     rec |= decision_fields(d, cost)
@@ -258,7 +260,7 @@ def decision_record(
         "projected_bytes": ledger.projected_bytes,
     }
     rec.update(context)
-    return json.dumps(rec, separators=(",", ":"))
+    return rec
 
 
 class StateCollector(Collector):
@@ -378,6 +380,14 @@ class StateCollector(Collector):
         )
         dropped.add_metric([], float(self.dropped_log_lines()))
         yield dropped
+        pipeline = logs.current()
+        lost = CounterMetricFamily(
+            PREFIX + "log_lines_dropped",
+            "Log lines (any logger, including the decision log on stderr) dropped because the log "
+            "writer fell behind: stderr is slow or not read",
+        )
+        lost.add_metric([], float(pipeline.dropped if pipeline else 0))
+        yield lost
 
         info = GaugeMetricFamily(PREFIX + "policy_info", "The policy in force", labels=["name", "sha256"])
         info.add_metric([a.policy.name, a.loaded.sha256], 1.0)

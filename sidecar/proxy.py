@@ -25,6 +25,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from sidecar.access import ACCESS_NOTE
 from sidecar.admission import Admission, Handle, Outcome
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.core.decision import Action
@@ -221,6 +222,8 @@ class Proxy:
                 headers=_request_headers(scope, keep_length=keep_length),
                 allow_redirects=False,
             ) as resp:
+                if (note := scope.get(ACCESS_NOTE)) is not None:
+                    note["upstream_status"] = resp.status  # for the access log
                 headers = _response_headers(resp.raw_headers, self._origin) + extra_headers
                 await send({"type": "http.response.start", "status": resp.status, "headers": headers})
                 started = True

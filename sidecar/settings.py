@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -18,33 +19,72 @@ class Mode(StrEnum):
     SHADOW = "shadow"
 
 
+def _opt(default: object = ..., *, help: str, metavar: str | None = None, **kw: object) -> Any:
+    """A setting with what ``serve --help`` prints for it (the flag and its env var come from the name)."""
+    return Field(default, description=help, json_schema_extra={"metavar": metavar} if metavar else None, **kw)
+
+
 class Settings(BaseSettings):
+    """Every field is a ``serve`` flag (``--upstream-read-timeout-s``) and an environment variable
+    (``SIDECAR_UPSTREAM_READ_TIMEOUT_S``); ``cli`` builds the parser from these fields, so a new
+    setting cannot be missing from ``--help`` or lack its variable."""
+
     model_config = SettingsConfigDict(env_prefix="SIDECAR_", extra="forbid", frozen=True)
 
-    upstream: str = Field(description="Base URL of the SGLang server, e.g. http://127.0.0.1:30000")
-    listen: str = Field(default="127.0.0.1:8001", description="HOST:PORT to listen on")
-    policy: Path = Field(description="Lane policy YAML (see policies/)")
-    gpu_source: str | None = Field(
-        default=None,
-        description="nvml | nvml:<uuid>[,<uuid>] | dcgm:<url> | file:<path>; required unless the policy "
-        "sets gpu.required: false",
+    upstream: str = _opt(help="base URL of the SGLang server, e.g. http://127.0.0.1:30000", metavar="URL")
+    listen: str = _opt("127.0.0.1:8001", help="address to listen on", metavar="HOST:PORT")
+    policy: Path = _opt(help="lane policy YAML (see policies/)", metavar="FILE")
+    gpu_source: str | None = _opt(
+        None,
+        help="where free GPU memory is read: nvml | nvml:<uuid>[,<uuid>] | dcgm:<url> | file:<path>; "
+        "required unless the policy sets gpu.required: false",
+        metavar="SPEC",
     )
-    mode: Mode = Mode.ENFORCE
-    admin_token_file: Path | None = Field(default=None, description="Bearer token for POST /admission/policy")
-    decision_log: Path | None = Field(
-        default=None, description="Append decision JSON lines here (default: stderr)"
+    mode: Mode = _opt(Mode.ENFORCE, help="shadow: decide and record, always forward")
+    admin_token_file: Path | None = _opt(
+        None, help="bearer token for POST /admission/policy (uploads disabled without it)", metavar="FILE"
+    )
+    decision_log: Path | None = _opt(
+        None,
+        help="append decision lines here, always JSON (default: the log stream, in --log-format)",
+        metavar="FILE",
     )
     # Connection pool to the engine, sized for long SSE streams: each open stream holds one connection.
-    max_connections: int = Field(default=1024, ge=1)
+    max_connections: int = _opt(1024, ge=1, help="upstream connection pool size", metavar="N")
     # A 500K-token prefill can take minutes before its first byte; this bounds the gap between bytes.
-    upstream_read_timeout_s: float = Field(default=1800.0, gt=0)
-    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    upstream_read_timeout_s: float = _opt(
+        1800.0, gt=0, help="longest gap between upstream bytes before 504 (or a cut stream)", metavar="S"
+    )
+    upstream_connect_timeout_s: float = _opt(
+        5.0, gt=0, help="time to connect to the upstream before 503 engine_unavailable", metavar="S"
+    )
     # SIGTERM: stop admitting, let in-flight streams finish for up to this long.
-    drain_timeout_s: float = Field(default=30.0, ge=0)
-    log_level: str = "info"
+    drain_timeout_s: float = _opt(
+        30.0,
+        ge=0,
+        help="on SIGTERM, time in-flight requests get to finish before the listener closes",
+        metavar="S",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = _opt(
+        "info", help="the sidecar's own log level (HTTP libraries stay at warning)"
+    )
+    log_queue_lines: int = _opt(
+        10_000,
+        ge=1,
+        help="log lines buffered while stderr is slow; beyond that they are dropped and counted "
+        "(log_lines_dropped_total), never waited for",
+        metavar="N",
+    )
+    log_format: Literal["text", "json"] = _opt(
+        "text", help="one format for every line: uvicorn's, the sidecar's, the access and decision logs"
+    )
     # Load generation against the emulator only: honour a client's `emulator.prompt_tokens` size
     # declaration. Off in front of a real engine, where it would let any client bypass the gate.
-    trust_emulator_sizes: bool = False
+    trust_emulator_sizes: bool = _opt(
+        False,
+        help="honour a client's emulator.prompt_tokens size declaration: only for load generation "
+        "against the emulator, never in front of a real engine",
+    )
 
     @field_validator("upstream")
     @classmethod

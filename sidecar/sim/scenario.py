@@ -149,7 +149,8 @@ def load_trace(path: str | Path, *, profile: str, policy: str, seed: int = 0) ->
     Request log lines: ``{"t": s, "prompt_tokens": N, "cached_tokens"?: N, "prefix"?: key,
     "max_new_tokens"?: N, "priority"?: N}``. Decision log lines (``"event": "decision"``) are grouped by
     ``request_id``; a request's first line is its arrival, so a night of production decisions can be
-    replayed under a changed policy.
+    replayed under a changed policy. A ``--log-format json`` stream works as well: its other lines
+    are skipped.
     """
     p = Path(path)
     requests: list[Request] = []
@@ -168,6 +169,8 @@ def load_trace(path: str | Path, *, profile: str, policy: str, seed: int = 0) ->
             rid = str(rec.get("request_id") or f"line-{n}")
             firsts.setdefault(rid, rec)
             continue
+        if "logger" in rec and "level" in rec:
+            continue  # another line of a --log-format json stream (start-up, access, ...)
         try:
             requests.append(Request.model_validate(rec))
         except ValueError as e:
