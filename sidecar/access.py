@@ -2,7 +2,7 @@
 
 Wraps the sidecar's ASGI app. What a line says comes from what the client was sent (status, bytes, the
 ``X-Admission-*`` and ``X-Request-Id`` headers) and from the proxy (the upstream's status, in the scope
-under ``UPSTREAM_STATUS``), so the access log cannot disagree with the responses. Never the prompt, never
+under ``ACCESS_NOTE``), so the access log cannot disagree with the responses. Never the prompt, never
 the query string (it may carry keys). Per request: one closure and, per body chunk, one addition.
 """
 
@@ -18,8 +18,9 @@ log = logging.getLogger("sidecar.access")
 
 Scope = dict[str, Any]
 ASGI = Callable[[Scope, Any, Any], Awaitable[None]]
-# The proxy records the upstream's HTTP status here (absent when the sidecar answered itself).
-UPSTREAM_STATUS = "sidecar.upstream_status"
+# A dict the access log puts in the scope (copies of the scope share it); the proxy records the
+# upstream's HTTP status in it under "upstream_status" (absent when the sidecar answered itself).
+ACCESS_NOTE = "sidecar.access"
 
 _HEADERS = {
     b"x-admission-decision": "decision",
@@ -59,6 +60,8 @@ class AccessLog:
                 sent += len(message.get("body", b""))
             await send(message)
 
+        note: dict[str, Any] = {}
+        scope[ACCESS_NOTE] = note
         self.in_flight += 1
         self._idle.clear()
         ended = "completed"
@@ -103,7 +106,7 @@ class AccessLog:
             for name, value in scope.get("headers", ()):
                 if name == b"x-request-id":
                     fields["request_id"] = value.decode("latin-1")
-        fields["upstream_status"] = scope.get(UPSTREAM_STATUS)
+        fields["upstream_status"] = scope[ACCESS_NOTE].get("upstream_status")
         fields["bytes"] = sent
         fields["duration_ms"] = round(elapsed * 1000, 1)
         client = scope.get("client")
