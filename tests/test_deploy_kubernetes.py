@@ -121,7 +121,7 @@ def test_overlay_says_what_the_readme_says(overlay: Path) -> None:
     ]["name"]
     assert cm["data"]["policy.yaml"] == (ROOT / "policies" / f"{overlay.name}.yaml").read_text()
     load_policy_text(cm["data"]["policy.yaml"], f"policies/{overlay.name}.yaml")
-    assert pod["shareProcessNamespace"] is True and "pkill -HUP" in reloader["command"][-1]
+    assert pod["shareProcessNamespace"] is True and "pkill -HUP -f '[s]glang-sidecar serve'" in reloader["command"][-1]
     # Admin token from a Secret, at the path the sidecar is told.
     mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
     secret = [v for v in pod["volumes"] if "secret" in v]
