@@ -69,6 +69,33 @@ def last_value(p: stat.Panel) -> stat.Panel:
     )
 
 
+def pick(name: str, label: str, values: str) -> d.QueryVariable:
+    """A variable of label values, several or all at once (all = the regex ``.*``)."""
+    return (
+        d.QueryVariable(name)
+        .label(label)
+        .datasource(DS)
+        .query({"query": values, "refId": name})
+        .refresh(m.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(m.VariableOption(selected=True, text="All", value="$__all"))
+    )
+
+
+def two_states(zero: tuple[str, str], one: tuple[str, str]) -> list[m.ValueMap]:
+    """A 0/1 gauge shown as words in colour: (text, colour) for 0 and for 1."""
+    return [
+        m.ValueMap(
+            options={
+                "0": m.ValueMappingResult(text=zero[0], color=zero[1]),
+                "1": m.ValueMappingResult(text=one[0], color=one[1]),
+            }
+        )
+    ]
+
+
 def thresholds(*steps: tuple[float | None, str]) -> d.ThresholdsConfig:
     return (
         d.ThresholdsConfig()
@@ -86,16 +113,7 @@ def build() -> d.Dashboard:
         .span(4)
         .height(4)
         .with_target(q(f"max by (lane, instance) ({s('gate_open')})", "{{lane}} {{instance}}"))
-        .mappings(
-            [
-                m.ValueMap(
-                    options={
-                        "0": m.ValueMappingResult(text="CLOSED", color="red"),
-                        "1": m.ValueMappingResult(text="open", color="green"),
-                    },
-                )
-            ]
-        )
+        .mappings(two_states(("CLOSED", "red"), ("open", "green")))
         .thresholds(thresholds((None, "red"), (1, "green")))
         .color_mode(common.BigValueColorMode.BACKGROUND)
     )
@@ -127,16 +145,7 @@ def build() -> d.Dashboard:
         .span(4)
         .height(4)
         .with_target(q(f"min by (lane, instance) ({s('policy_last_reload_successful')})", "{{instance}}"))
-        .mappings(
-            [
-                m.ValueMap(
-                    options={
-                        "0": m.ValueMappingResult(text="REFUSED", color="red"),
-                        "1": m.ValueMappingResult(text="ok", color="green"),
-                    },
-                )
-            ]
-        )
+        .mappings(two_states(("REFUSED", "red"), ("ok", "green")))
         .color_mode(common.BigValueColorMode.BACKGROUND)
     )
     stale = (
@@ -318,28 +327,8 @@ def build() -> d.Dashboard:
     )
 
     datasource = d.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
-    lane = (
-        d.QueryVariable("lane")
-        .label("Lane")
-        .datasource(DS)
-        .query({"query": f"label_values({P}build_info, lane)", "refId": "lane"})
-        .refresh(m.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .multi(True)
-        .include_all(True)
-        .all_value(".*")
-        .current(m.VariableOption(selected=True, text="All", value="$__all"))
-    )
-    instance = (
-        d.QueryVariable("instance")
-        .label("Instance")
-        .datasource(DS)
-        .query({"query": f'label_values({P}build_info{{lane=~"$lane"}}, instance)', "refId": "instance"})
-        .refresh(m.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .multi(True)
-        .include_all(True)
-        .all_value(".*")
-        .current(m.VariableOption(selected=True, text="All", value="$__all"))
-    )
+    lane = pick("lane", "Lane", f"label_values({P}build_info, lane)")
+    instance = pick("instance", "Instance", f'label_values({P}build_info{{lane=~"$lane"}}, instance)')
     return (
         d.Dashboard("SGLang sidecar")
         .uid(UID)

@@ -284,4 +284,3 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
         if sidecar_up:
             await served.__aexit__(None, None, None)
         await emulator.stop()
-    assert time.time() - started < 60
