@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from sidecar.responses import error_object
 
 __all__ = [
@@ -262,14 +264,30 @@ def parse_explain(
 # --- JSON --------------------------------------------------------------------------------------
 
 
+_MISSING: Any = object()
+
+
+def _fast_loads(body: bytes) -> Any:
+    """orjson first: ~3x json.loads on a 500K-id body (39 vs 109 ms here), and these parsers hold the
+    GIL, so the event loop waits for them even when they run in a worker thread."""
+    return orjson.loads(body)
+
+
 def _load_object(body: bytes, max_body_bytes: int) -> dict[str, Any]:
     if len(body) > max_body_bytes:
         raise BadRequest.body_too_large(len(body), max_body_bytes)
     if not body.strip():
         raise BadRequest(400, "body is empty; expected a JSON object", "invalid_json")
     try:
-        # json.loads on bytes detects UTF-8/16/32 the way SGLang's own (FastAPI) parser does.
-        obj = json.loads(body)
+        obj = _fast_loads(body)
+    except orjson.JSONDecodeError:
+        obj = _MISSING
+    try:
+        if obj is _MISSING:
+            # What orjson refuses (UTF-16/32 bodies, lone surrogates, NaN, integers over 64 bits) the
+            # standard parser decides, so accepted bodies and error messages are SGLang's (FastAPI's
+            # json.loads detects UTF-8/16/32 on bytes and takes all of those).
+            obj = json.loads(body)
     except json.JSONDecodeError as exc:
         raise BadRequest(
             400,

@@ -951,3 +951,19 @@ def test_explain_body_too_large() -> None:
     with pytest.raises(BadRequest) as caught:
         parse_explain(b'{"prompt_tokens": 5}', max_body_bytes=10)
     assert caught.value.status == 413
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        json.dumps({"text": "a\ud800b"}).encode(),  # a lone surrogate escape: json.loads takes it
+        json.dumps({"text": "héllo", "sampling_params": {"temperature": 0.5}}).encode("utf-16"),
+        b'{"text": "x", "sampling_params": {"temperature": NaN}}',
+    ],
+    ids=["lone-surrogate", "utf-16", "nan"],
+)
+def test_bodies_the_fast_parser_refuses_are_decided_by_the_standard_one(body: bytes) -> None:
+    """orjson parses the common case; whatever it refuses, SGLang's own parser (json.loads) accepts,
+    so the sidecar must too."""
+    req = parse_generation("/generate", body, max_body_bytes=1 << 20)
+    assert req.prompt_text is not None and req.prompt_text.startswith(("a", "h", "x"))
