@@ -150,3 +150,45 @@ async def test_drain_rejects_new_requests_and_fails_readiness(tmp_path: Path) ->
         assert r.status_code == 503 and r.headers["x-admission-reason"] == "draining"
         ready = await client.get(url + "/readyz")
         assert ready.status_code == 503 and "draining" in ready.json()["problems"]
+
+
+def test_the_decision_log_writer_keeps_every_line_in_order_and_drops_past_its_bound() -> None:
+    """Lines put from several threads all reach the stream, each thread's in order; close() flushes;
+    a writer whose stream is stuck drops (and counts) lines past max_pending instead of growing."""
+    import io
+    import threading
+
+    from sidecar.observe import LineWriter
+
+    out = io.StringIO()
+    writer = LineWriter(out, batch_s=0.001)
+    threads = [
+        threading.Thread(target=lambda t=t: [writer.put(f"{t}:{i}") for i in range(2000)]) for t in range(4)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    writer.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 8000 and writer.dropped == 0
+    for t in range(4):
+        assert [ln for ln in lines if ln.startswith(f"{t}:")] == [f"{t}:{i}" for i in range(2000)]
+
+    class Stuck(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = threading.Event()
+
+        def write(self, s: str) -> int:
+            self.release.wait(10)
+            return super().write(s)
+
+    stuck = Stuck()
+    bounded = LineWriter(stuck, max_pending=10)
+    for i in range(100):
+        bounded.put(str(i))
+    stuck.release.set()
+    bounded.close()
+    assert bounded.dropped >= 100 - 10 - 1  # at most one line was already taken by the writer
+    assert len(stuck.getvalue().splitlines()) == 100 - bounded.dropped
