@@ -30,6 +30,7 @@ from sidecar.core.decide import Situation, decide
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand, reprice
 from sidecar.core.ledger import Ledger, LedgerTotals
+from sidecar.core.prefill_rate import PrefillRate
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot
 from sidecar.intake import rules_of
@@ -137,9 +138,13 @@ class Handle:
     def submit(self, demand: Demand, on_done: Callable[[Handle], None] = lambda h: None) -> Action:
         return self._owner._submit(self, demand, on_done)
 
-    def prefill_done(self) -> None:
-        """First token seen: the prefill's transient is gone, its KV now shows in the engine's gauges."""
-        self._owner._release(self)
+    def prefill_done(self, measured: bool = True) -> None:
+        """First token seen: the prefill's transient is gone, its KV now shows in the engine's gauges.
+
+        ``measured``: this first byte marks the prefill's end (a stream), so it times the lane's
+        prefill rate; a non-streaming response's first byte is the whole answer and must not.
+        """
+        self._owner._release(self, measured)
 
     def end(self, outcome: Outcome) -> None:
         self._owner._end(self, outcome)
@@ -154,10 +159,13 @@ class _Queue:
 
     heap: list[Handle] = field(default_factory=list)
     live: int = 0
+    # Uncached prompt tokens of the held requests (the work they add ahead of a newcomer: Retry-After).
+    tokens: int = 0
 
     def push(self, h: Handle) -> None:
         heapq.heappush(self.heap, h)
         self.live += 1
+        self.tokens += h.demand.uncached_tokens if h.demand else 0
 
     def ordered(self) -> list[Handle]:
         if len(self.heap) > 2 * self.live + 16:
@@ -187,6 +195,8 @@ class Admission:
         self.observer: Observer = _Guarded(observer or NullObserver())
         self.snapshot = Snapshot()
         self.ledger = Ledger()
+        # The lane's delivered prefill rate, from the ledger's own releases: what Retry-After divides by.
+        self.prefill_rate = PrefillRate()
         self.draining = False
         self._queue = _Queue()
         self._seq = count()
@@ -216,6 +226,8 @@ class Admission:
             queued=queued,
             ahead=ahead,
             draining=self.draining,
+            held_tokens=self._queue.tokens,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
         )
 
     # -- the request path -------------------------------------------------------------------------
@@ -242,6 +254,7 @@ class Admission:
             if h.held and h.demand is not None:
                 h.demand = reprice(self.rules, h.demand)
                 self._arm(h)
+        self._queue.tokens = sum(h.demand.uncached_tokens for h in self._queue.heap if h.held and h.demand)
         self.pump()
 
     def drain(self) -> None:
@@ -330,6 +343,7 @@ class Admission:
     def _leave_queue(self, h: Handle) -> None:
         h._held = False
         self._queue.live -= 1
+        self._queue.tokens -= h.demand.uncached_tokens if h.demand else 0
         if h._timer is not None:
             h._timer.cancel()
             h._timer = None
@@ -352,6 +366,8 @@ class Admission:
     def _admit(self, h: Handle, d: Decision) -> None:
         assert h.demand is not None
         h.decision, h.waited_s = d, self._waited(h) if h.shadow_reject is None else 0.0
+        if not len(self.ledger):
+            self.prefill_rate.busy(self.clock.now())
         h._key = self.ledger.charge(d.charge)
         if h.shadow_reject is None:
             self.observer.decision(d, h.demand, h.waited_s, self.ledger.totals)
@@ -376,8 +392,10 @@ class Admission:
         if changed:
             self.pump()
 
-    def _release(self, h: Handle) -> None:
+    def _release(self, h: Handle, measured: bool = False) -> None:
         if h._key is not None:
             self.ledger.release(h._key)
             h._key = None
+            if measured and h.decision is not None:
+                self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())
             self.pump()

@@ -14,9 +14,9 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from sidecar.core.decision import Action
 from sidecar.core.rules import ExceedAction, HeadroomSource
@@ -239,6 +239,77 @@ class Limits(_Strict):
 
 # Every route that makes the engine prefill is gated whatever this lists (sidecar/routes.py); a policy
 # adds paths here, e.g. for an engine mounted under a prefix.
+# Reasons a rejection can carry besides unfit_request (which has two answers of its own, below).
+AnsweredReason = Literal[
+    "vram_headroom",
+    "kv_pool",
+    "mamba_slots",
+    "engine_queue",
+    "pending_prefill_tokens",
+    "signals_stale",
+    "queue_full",
+    "hold_timeout",
+    "engine_unavailable",
+    "draining",
+]
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+# Headers the sidecar writes itself; a policy may not override them with a fixed value.
+_OWN_HEADERS = frozenset(
+    [
+        "content-type",
+        "content-length",
+        "retry-after",
+        "x-should-retry",
+        "x-request-id",
+        "x-admission-decision",
+        "x-admission-reason",
+        "x-admission-wait-ms",
+    ]
+)
+
+
+class Answer(_Strict):
+    """What a rejected client is told: the status, whether ``Retry-After`` is sent, ``x-should-retry``
+    (the header the official OpenAI SDKs obey before the status), and fixed extra headers."""
+
+    status: int = Field(ge=400, le=599)
+    retry_after: bool = True
+    # true/false: send `x-should-retry` with that value; null: do not send it.
+    should_retry: bool | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("headers")
+    @classmethod
+    def _header_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if not _HEADER_NAME.match(name):
+                raise ValueError(f"{name!r} is not a valid HTTP header name")
+            if name.lower() in _OWN_HEADERS:
+                raise ValueError(f"{name} is written by the sidecar itself and cannot be set here")
+            if not value.isprintable() or not value.isascii():
+                raise ValueError(f"header {name}: value must be printable ASCII")
+        return v
+
+
+class Answers(_Strict):
+    """Status and headers per rejection reason. The defaults suit a client talking to one lane; behind
+    a router, see the README's "Behind a router" for the block that keeps its circuit breaker closed.
+
+    ``unfit_context``: prompt + max_new_tokens beyond the context (an exact count): SGLang answers 400,
+    so do we, and the request never reaches the engine. ``unfit_lane``: larger than this lane can ever
+    run (transient, KV pool, Mamba slots): no retry here will help, another lane might. ``transient``:
+    every other reason (room may open); ``reasons`` overrides it per reason.
+    """
+
+    unfit_context: Answer = Answer(status=400, retry_after=False, should_retry=False)
+    unfit_lane: Answer = Answer(status=503, retry_after=False, should_retry=False)
+    transient: Answer = Answer(status=503, retry_after=True, should_retry=True)
+    reasons: dict[AnsweredReason, Answer] = Field(default_factory=dict)
+
+    def for_reason(self, reason: str) -> Answer:
+        return self.reasons.get(reason, self.transient)  # type: ignore[call-overload]
+
+
 DEFAULT_GATED_PATHS = tuple(r.path for r in PREFILL_ROUTES[LATEST])
 
 
@@ -258,6 +329,7 @@ class Policy(_Strict):
     gpu: Gpu
     hold: Hold
     limits: Limits = Limits()
+    answers: Answers = Answers()
 
     def located_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
         """Policies that validate field by field but could never admit anything, each at its field.

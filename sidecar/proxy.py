@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -47,6 +48,9 @@ _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
 # uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
 _DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
 PARSE_IN_THREAD_BYTES = 256 * 1024
+# A client's X-Request-Id is kept when it looks like an id (what routers and SDKs send); anything else
+# is replaced, so a header cannot smuggle text into logs.
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:@/+=-]{1,128}$")
 
 
 class ClientGone(Exception):
@@ -98,7 +102,6 @@ class Proxy:
         self.admission = admission
         self.counter = counter
         self.session: aiohttp.ClientSession | None = None
-        self._ids = itertools.count(1)
 
     # -- entry ---------------------------------------------------------------------------------------
 
@@ -115,19 +118,21 @@ class Proxy:
             await _until_disconnect(work, receive, after=body.done)
             return
         handle = self.admission.open()
+        sent_id = _client_request_id(scope)
         try:
             try:
                 body = await _read_body(scope, receive, self.admission.policy.limits.max_body_bytes)
             except BadRequest as e:
                 handle.end(Outcome.BAD_REQUEST)
-                await send_response(send, json_response(e.status, e.error_body()))
+                rid = sent_id or new_request_id()
+                await send_response(send, json_response(e.status, e.error_body(), [_id_header(rid)]))
                 return
             except ClientGone:
                 return
             if route is not None:
                 # Forward to the route the engine would serve, not to a variant it would redirect.
                 scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
-            await _until_disconnect(self._gated(scope, body, send, handle, route), receive)
+            await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive)
         finally:
             # Whatever path was taken, the handle has ended: this is the backstop for a client that
             # left before the work started (ClientGone, or a cancellation before its first step).
@@ -136,10 +141,16 @@ class Proxy:
     # -- gated ---------------------------------------------------------------------------------------
 
     async def _gated(
-        self, scope: Scope, body: bytes, send: Send, handle: Handle, route: Route | None = None
+        self,
+        scope: Scope,
+        body: bytes,
+        send: Send,
+        handle: Handle,
+        route: Route | None = None,
+        sent_id: str | None = None,
     ) -> None:
         try:
-            await self._admit_and_forward(scope, body, send, handle, route)
+            await self._admit_and_forward(scope, body, send, handle, route, sent_id)
         except asyncio.CancelledError:
             handle.end(Outcome.CLIENT_GONE)  # held, waiting for headers, or mid-stream
             raise
@@ -148,7 +159,7 @@ class Proxy:
             raise
 
     async def _admit_and_forward(
-        self, scope: Scope, body: bytes, send: Send, handle: Handle, route: Route | None
+        self, scope: Scope, body: bytes, send: Send, handle: Handle, route: Route | None, sent_id: str | None
     ) -> None:
         a = self.admission
         parse = functools.partial(
@@ -166,17 +177,20 @@ class Proxy:
             req = await asyncio.to_thread(parse) if len(body) > PARSE_IN_THREAD_BYTES else parse()
         except BadRequest as e:
             handle.end(Outcome.BAD_REQUEST)
-            await send_response(send, json_response(e.status, e.error_body()))
+            rid = sent_id or new_request_id()
+            await send_response(send, json_response(e.status, e.error_body(), [_id_header(rid)]))
             return
+        # Kept if the client (or a router) sent one; else SGLang's own `rid`; else a fresh one.
+        rid = sent_id or req.rid or new_request_id()
         count = await self.counter.count(req, admits=self._admits_now(req))
-        demand = demand_of(
-            a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=req.rid or f"sc-{next(self._ids)}"
-        )
+        demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=rid)
         if not await _acquire(handle, demand):
             assert handle.decision is not None
-            await send_response(send, rejection_response(handle.decision, demand, handle.waited_s))
+            answer = rejection_response(handle.decision, demand, handle.waited_s, a.policy.answers)
+            await send_response(send, answer)
             return
         extra = [
+            _id_header(rid),
             (b"x-admission-decision", b"admit"),
             (b"x-admission-wait-ms", str(round(handle.waited_s * 1000)).encode()),
         ]
@@ -184,7 +198,9 @@ class Proxy:
             d = handle.shadow_reject
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
             extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
-        await self._forward(scope, body, send, handle, extra)
+        await self._forward(
+            scope, body, send, handle, extra, request_id=None if sent_id else rid, measured=req.stream
+        )
 
     def _admits_now(self, req: GenerationRequest) -> Callable[[TokenCount], bool]:
         """Would ``req`` be admitted now at this count? The counter tokenizes only when the answer is no."""
@@ -206,7 +222,12 @@ class Proxy:
         extra_headers: list[tuple[bytes, bytes]],
         *,
         keep_length: bool = False,
+        request_id: str | None = None,
+        measured: bool = False,
     ) -> None:
+        """Relay to the engine. ``request_id``: an id the sidecar chose, sent on as ``X-Request-Id`` (one
+        the client sent goes with its other headers). ``measured``: a stream, whose first byte is its
+        prefill's end (it times the lane's prefill rate)."""
         assert self.session is not None, "proxy used outside the app's lifespan"
         url = self.upstream + scope["raw_path"].decode("latin-1")
         if scope.get("query_string"):
@@ -214,23 +235,30 @@ class Proxy:
         outcome = Outcome.UPSTREAM_ERROR
         started = False
         forwarded_at = time.monotonic()
+        req_headers = _request_headers(scope, keep_length=keep_length)
+        if request_id is not None:
+            req_headers["X-Request-Id"] = request_id
         try:
             async with self.session.request(
                 scope["method"],
                 URL(url, encoded=True),  # relay the path and query byte for byte, no re-quoting
                 data=body or None,
-                headers=_request_headers(scope, keep_length=keep_length),
+                headers=req_headers,
                 allow_redirects=False,
             ) as resp:
                 if (note := scope.get(ACCESS_NOTE)) is not None:
                     note["upstream_status"] = resp.status  # for the access log
-                headers = _response_headers(resp.raw_headers, self._origin) + extra_headers
+                headers = _response_headers(resp.raw_headers, self._origin)
+                if handle is not None:
+                    # Ours names this request in the decision log; an engine's echo would duplicate it.
+                    headers = [h for h in headers if h[0] != b"x-request-id"]
+                headers += extra_headers
                 await send({"type": "http.response.start", "status": resp.status, "headers": headers})
                 started = True
                 first = True
                 async for chunk in resp.content.iter_any():
                     if first and handle is not None:
-                        handle.prefill_done()
+                        handle.prefill_done(measured and resp.status == 200)
                         self.on_first_byte(time.monotonic() - forwarded_at)
                         first = False
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -389,6 +417,21 @@ async def _until_disconnect(
             task.cancel()
     if not task.cancelled() and task.exception() is not None:
         raise task.exception()  # type: ignore[misc]
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _client_request_id(scope: Scope) -> str | None:
+    for k, v in scope["headers"]:
+        if k == b"x-request-id":
+            return v.decode("latin-1") if _REQUEST_ID.match(v) else None
+    return None
+
+
+def _id_header(rid: str) -> tuple[bytes, bytes]:
+    return (b"x-request-id", rid.encode("latin-1"))
 
 
 def _headers_dict(scope: Scope) -> dict[str, str]:

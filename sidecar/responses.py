@@ -5,7 +5,9 @@
   bodies, 503 rejections, upstream failures, admin errors) is built by it.
 - :func:`decision_fields` is the one serialisation of a decision and the demand it judged: the 503
   body's ``admission`` object, ``/admission/explain`` and each decision-log line carry it.
-- :func:`rejection_response` is the 503 a rejected request gets (status, headers, body).
+- :func:`rejection_response` is what a rejected request gets (status, headers, body), with the
+  status and headers the policy's ``answers:`` section chooses per case (``policy.Answers`` says why
+  there are three: longer than the context, larger than the lane can ever run, busy now).
 
 Responses on the hot path are ``(status, headers, body)`` triples of bytes, sent as two ASGI messages.
 """
@@ -16,8 +18,9 @@ import json
 from typing import Any
 
 from sidecar.asgi import Send
-from sidecar.core.decision import Decision
+from sidecar.core.decision import Check, Decision, Reason
 from sidecar.core.demand import Demand
+from sidecar.policy import Answer, Answers
 
 Headers = list[tuple[bytes, bytes]]
 Response = tuple[int, Headers, bytes]
@@ -31,7 +34,6 @@ REJECT_MESSAGES = {
     "mamba_slots": "The engine's Mamba state slots are exhausted.",
     "engine_queue": "The engine's queue is full.",
     "pending_prefill_tokens": "Too many prefill tokens are already pending in the engine.",
-    "unfit_request": "This request can never fit this lane (context, KV pool or memory).",
     "signals_stale": "The engine's or GPU's signals are stale; admission is paused.",
     "queue_full": "The admission queue is full.",
     "hold_timeout": "The request waited the maximum hold time without room opening.",
@@ -40,7 +42,9 @@ REJECT_MESSAGES = {
 }
 
 
-def error_object(message: str, code: str, type: str = "sidecar_error", param: str | None = None) -> dict[str, Any]:
+def error_object(
+    message: str, code: str, type: str = "sidecar_error", param: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "code": code, "param": param}}
 
 
@@ -77,25 +81,91 @@ def decision_fields(d: Decision, demand: Demand) -> dict[str, Any]:
         "headroom_bytes": d.headroom_bytes,
         "retry_after_s": d.retry_after_s,
         "checks": [
-            {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
+            {
+                "name": c.name,
+                "ok": c.ok,
+                "need": c.need,
+                "have": c.have,
+                "note": c.note or None,
+                **({"limit": c.limit} if c.limit else {}),
+            }
             for c in d.checks
         ],
     }
 
 
-def rejection_response(d: Decision, demand: Demand, waited_s: float) -> Response:
-    """HTTP 503 with Retry-After, the reason in a header and in an OpenAI-style error body."""
-    reason = d.reason.value if d.reason else "rejected"
-    retry = str(d.retry_after_s or 1)
-    wait_ms = round(waited_s * 1000)
-    body = error_object(
-        REJECT_MESSAGES.get(reason, reason) + f" Retry after {retry} s.", reason, "admission_rejected"
+def unfit_check(d: Decision) -> Check | None:
+    return next((c for c in d.checks if c.name == Reason.UNFIT_REQUEST.value), None)
+
+
+def answer_for(answers: Answers, d: Decision) -> Answer:
+    """The policy's answer for this rejection (the unfit cases split by the limit they exceed)."""
+    if d.reason is Reason.UNFIT_REQUEST:
+        check = unfit_check(d)
+        return answers.unfit_context if check is not None and check.limit == "context" else answers.unfit_lane
+    return answers.for_reason(d.reason.value if d.reason else "")
+
+
+def unfit_message(check: Check | None) -> str:
+    """Which limit the request exceeds, and by how much, in the units an SRE reads."""
+    if check is None or check.need is None or check.have is None:
+        return "This request can never fit this lane."
+    need, have = int(check.need), int(check.have)
+    over = need - have
+    if check.limit == "context":
+        return (
+            f"This request needs {need:,} tokens (prompt + max_new_tokens), {over:,} more than the "
+            f"model's context length of {have:,} tokens. Shorten the prompt or lower max_new_tokens."
+        )
+    if check.limit == "kv_pool":
+        return (
+            f"This request can never run on this lane: it needs {need:,} KV cache tokens, {over:,} more "
+            f"than the {have:,} this lane's KV pool can ever give one request. Another lane may fit it."
+        )
+    if check.limit == "mamba_slots":
+        return (
+            f"This request can never run on this lane: it needs {need} Mamba state slots, {over} more "
+            f"than the {have} this lane has. Another lane may fit it."
+        )
+    return (
+        f"This request can never run on this lane: its prefill would allocate {size_text(need)} outside "
+        f"the KV pool, {size_text(over)} more than the {size_text(have)} this lane can ever free "
+        "(vram.max_transient_bytes, or idle_free_bytes - reserve_bytes). Another lane may fit it."
     )
+
+
+def size_text(n: int) -> str:
+    """Binary units, three significant figures at most: what nvidia-smi and the policy files use."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:,.2f} {unit}" if abs(v) < 10 else f"{v:,.0f} {unit}"
+    return f"{n} bytes"
+
+
+def rejection_response(d: Decision, demand: Demand, waited_s: float, answers: Answers) -> Response:
+    """The status and headers the policy chose for this case, the reason in a header, the request id,
+    and an OpenAI-style error body (``code`` is the reason) with the decision's numbers."""
+    reason = d.reason.value if d.reason else "rejected"
+    answer = answer_for(answers, d)
+    retry = d.retry_after_s if answer.retry_after else None
+    wait_ms = round(waited_s * 1000)
+    if d.reason is Reason.UNFIT_REQUEST:
+        message = unfit_message(unfit_check(d))
+    else:
+        message = REJECT_MESSAGES.get(reason, reason) + (f" Retry after {retry} s." if retry else "")
+    kind = "invalid_request_error" if answer.status < 500 else "admission_rejected"
+    body = error_object(message, reason, kind)
     body["admission"] = decision_fields(d, demand) | {"waited_ms": wait_ms}
     headers = [
-        (b"retry-after", retry.encode()),
         (b"x-admission-decision", b"reject"),
         (b"x-admission-reason", reason.encode()),
         (b"x-admission-wait-ms", str(wait_ms).encode()),
+        (b"x-request-id", demand.request_id.encode("latin-1")),
     ]
-    return json_response(503, body, headers)
+    if retry:
+        headers.append((b"retry-after", str(retry).encode()))
+    if answer.should_retry is not None:
+        headers.append((b"x-should-retry", b"true" if answer.should_retry else b"false"))
+    headers.extend((k.lower().encode(), v.encode()) for k, v in answer.headers.items())
+    return json_response(answer.status, body, headers)

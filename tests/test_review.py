@@ -478,8 +478,13 @@ def test_retry_after_is_never_zero_on_any_rejection(clock: ManualClock) -> None:
     assert all(h.outcome is Outcome.REJECTED and h.decision is not None for h in seen)
     reasons = {h.decision.reason for h in seen if h.decision}
     assert reasons == {Reason.QUEUE_FULL, Reason.UNFIT_REQUEST, Reason.HOLD_TIMEOUT, Reason.DRAINING}
+    # An unfit request gets none: no wait will help. Every other one gets at least a second.
     assert all(
-        h.decision and h.decision.retry_after_s is not None and h.decision.retry_after_s >= 1 for h in seen
+        h.decision.retry_after_s is None
+        if h.decision.reason is Reason.UNFIT_REQUEST
+        else h.decision.retry_after_s is not None and h.decision.retry_after_s >= 1
+        for h in seen
+        if h.decision
     )
 
 

@@ -19,8 +19,8 @@ order it is applied:
    (``hold.max_wait_s`` after it arrived), and ``queue_full`` for a newcomer when ``hold.max_held``
    are already held.
 
-A rejection carries Retry-After (``retry_after_s``); every decision carries the charge that admitting
-the request books in the ledger.
+A rejection carries Retry-After (``retry_after_s``: the work ahead at the measured prefill rate; none
+for an unfit request); every decision carries the charge that admitting the request books.
 """
 
 from __future__ import annotations
@@ -50,13 +50,17 @@ class Situation:
     # The reason of the earliest request waiting ahead of this one (None: nobody waits ahead).
     ahead: Reason | None = None
     draining: bool = False
+    # For Retry-After: uncached prompt tokens of the requests held (they go first), and the prefill
+    # rate the lane has been measured at (None: the policy's ``hold.prefill_tokens_per_s``).
+    held_tokens: int = 0
+    prefill_tokens_per_s: float | None = None
 
 
 def decide(demand: Demand, s: Situation) -> Decision:
     """Admit, hold or reject one request (steps 1-6 of the module docstring)."""
     rules = s.rules
     if s.draining:
-        return Decision(Action.REJECT, Reason.DRAINING, rules.hold.retry_after_min_s)
+        return Decision(Action.REJECT, Reason.DRAINING, retry_after_s(s, Reason.DRAINING))
     charge = charge_of(demand, rules, s.snapshot)
     headroom = headroom_bytes(rules, s.snapshot, s.ledger)
     action, reason, checks = _judge(demand, s, charge, headroom)
@@ -66,7 +70,7 @@ def decide(demand: Demand, s: Situation) -> Decision:
         action, reason = Action.REJECT, Reason.HOLD_TIMEOUT
     elif action is Action.HOLD and not s.queued and s.held >= rules.hold.max_held:
         action, reason = Action.REJECT, Reason.QUEUE_FULL
-    retry = retry_after_s(demand, s, reason) if action is Action.REJECT else None
+    retry = retry_after_s(s, reason) if action is Action.REJECT else None
     return Decision(action, reason, retry, headroom, checks, charge)
 
 
@@ -148,17 +152,20 @@ def _unfit(demand: Demand, rules: Rules, snap: Snapshot, charge: Charge) -> Chec
     if demand.exact:
         total = demand.prompt_tokens + demand.max_new_tokens
         if demand.prompt_tokens >= context_len or total > context_len:
-            return Check(name, False, total, context_len, "prompt + max_new_tokens > context")
-        if pool is not None and charge.kv_tokens > pool - rules.kv.reserve_tokens:
-            return Check(name, False, charge.kv_tokens, pool, "larger than KV pool")
+            return Check(name, False, total, context_len, "prompt + max_new_tokens > context", "context")
+        have = None if pool is None else pool - rules.kv.reserve_tokens
+        if have is not None and charge.kv_tokens > have:
+            return Check(name, False, charge.kv_tokens, have, "larger than KV pool", "kv_pool")
     pool_slots = (e.mamba_total_slots if e else None) or rules.lane.mamba_slots
     m = rules.mamba
     needs = charge.mamba_slots
     if needs and pool_slots is not None and m is not None and needs > pool_slots - m.reserve_slots:
-        return Check(name, False, charge.mamba_slots, pool_slots, "more Mamba slots than the pool has")
+        have = pool_slots - m.reserve_slots
+        return Check(name, False, needs, have, "more Mamba slots than the pool has", "mamba_slots")
     cap = rules.vram.transient_cap()
     if cap is not None and charge.projected_bytes > cap:
-        return Check(name, False, charge.projected_bytes, cap, "transient larger than the lane frees")
+        note = "transient larger than the lane frees"
+        return Check(name, False, charge.projected_bytes, cap, note, "transient")
     return None
 
 
@@ -190,18 +197,25 @@ def _fresh(age: float | None, sr: SignalRules) -> bool:
     return age is not None and age <= sr.max_age_s
 
 
-def retry_after_s(demand: Demand, s: Situation, reason: Reason | None) -> int:
-    """A bounded estimate, never 0: how long until the prefill work ahead of this request drains.
+def retry_after_s(s: Situation, reason: Reason | None) -> int | None:
+    """Seconds until the work ahead drains, bounded and never 0; ``None`` for an unfit request.
 
-    Unfit requests get the maximum: retrying them will not help, but clients that honour Retry-After
-    should not hammer the lane.
+    The work ahead is the prefill tokens already forwarded (the engine's pending count or the
+    ledger's, whichever is larger) plus those of the requests held in front (strict order lets them
+    in first), at the lane's measured prefill rate, else the policy's figure. A request that can
+    never fit gets no Retry-After: no wait will help, and a client that honours it would only come
+    back to the same answer.
     """
     h = s.rules.hold
     if reason is Reason.UNFIT_REQUEST:
-        return h.retry_after_max_s
+        return None
+    if reason is Reason.DRAINING:
+        return h.retry_after_min_s
     e = s.snapshot.engine
-    ahead = max((e.pending_prefill_tokens or 0) if e else 0, s.ledger.prefill_tokens)
-    estimate = (ahead + demand.uncached_tokens) / h.prefill_tokens_per_s
+    forwarded = max((e.pending_prefill_tokens or 0) if e else 0, s.ledger.prefill_tokens)
+    rate = s.prefill_tokens_per_s or h.prefill_tokens_per_s
+    estimate = (forwarded + s.held_tokens) / rate
     if reason in (Reason.SIGNALS_STALE, Reason.ENGINE_UNAVAILABLE):
+        # Nothing to measure while blind: one staleness period is the soonest signals can recover.
         estimate = max(estimate, s.rules.engine.max_age_s)
     return int(min(h.retry_after_max_s, max(h.retry_after_min_s, math.ceil(estimate))))

@@ -37,6 +37,10 @@ class Check:
     need: float | None = None
     have: float | None = None
     note: str = ""
+    # unfit_request only: which limit the request exceeds ("context", "kv_pool", "mamba_slots",
+    # "transient"). A request longer than the context is answered differently (a 400, as SGLang does)
+    # from one this lane can never run (another lane might).
+    limit: str = ""
 
 
 @dataclass(frozen=True, slots=True)

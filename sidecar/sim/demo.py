@@ -137,12 +137,13 @@ class LiveDriver:
             "sampling_params": {"max_new_tokens": a.max_new_tokens},
             "emulator": {"prompt_tokens": a.prompt_tokens, "prefix_key": a.prefix},
         }
-        ok, retry_after = False, None
+        ok, retry_after, give_up = False, None, False
         try:
             async with self.session.post(self.url + "/generate", json=body) as resp:
                 if resp.headers.get("x-admission-decision") == "reject":
                     rec.outcome = f"rejected:{resp.headers.get('x-admission-reason')}"
-                    if resp.status == 503 and "retry-after" in resp.headers:
+                    give_up = resp.headers.get("x-should-retry") == "false"
+                    if "retry-after" in resp.headers:
                         retry_after = float(resp.headers["retry-after"]) * self.speed
                         rec.retry_after_s = retry_after
                 else:
@@ -163,7 +164,7 @@ class LiveDriver:
         except (TimeoutError, aiohttp.ClientError):
             rec.outcome = "failed"
         rec.end = round(self.t, 3)
-        a.client.on_done(a, ok, retry_after)
+        a.client.on_done(a, ok, retry_after, give_up)
 
     def start_clients(self) -> None:
         groups: dict[str, list[AgentClient]] = {}

@@ -80,6 +80,9 @@ class RequestRecord:
     cached_tokens: int = 0
     end: float | None = None
     retry_after_s: float | None = None  # what a rejection told the client, engine seconds
+    # Replay only, for a rejection with a Retry-After: would a retry at that time have been let in?
+    # "admit": admitted at once; "hold": queued (not rejected); "reject": rejected again.
+    retry_probe: str | None = None
 
 
 class Client:
@@ -93,9 +96,12 @@ class Client:
     def start(self) -> None:
         raise NotImplementedError
 
-    def on_done(self, a: Attempt, ok: bool, retry_after: float | None) -> None:
-        """Retry a failed attempt after ``retry_after``, up to ``retries``; subclasses chain turns."""
-        if not ok and a.tries < self.retries:
+    def on_done(self, a: Attempt, ok: bool, retry_after: float | None, give_up: bool = False) -> None:
+        """Retry a failed attempt after ``retry_after``, up to ``retries``; subclasses chain turns.
+
+        ``give_up``: the answer said a retry cannot help (``x-should-retry: false``), and the client
+        obeys it, as the official OpenAI SDKs do."""
+        if not ok and not give_up and a.tries < self.retries:
             delay = retry_after if retry_after is not None else self.driver.scenario.retry_after_default_s
             self.driver.at(
                 self.driver.t + delay,
@@ -338,7 +344,16 @@ class Driver:
         if self.admission is None:
             self._to_engine(a)
             return
-        d = demand.build(
+        h = self.admission.open()
+        if h.submit(self._demand(a), lambda h, a=a: self._gate_answered(a, h)) is Action.HOLD:
+            self.records[a.rid].outcome = "held"
+        else:
+            self._gate_answered(a, h)
+
+    def _demand(self, a: Attempt) -> Demand:
+        """The attempt's demand as if it arrived now."""
+        assert self.admission is not None
+        return demand.build(
             self.admission.rules,
             a.prompt_tokens,
             arrived_at=self.t,
@@ -347,11 +362,10 @@ class Driver:
             request_id=a.rid,
             chunk=self.profile.chunked_prefill_size,
         )
-        h = self.admission.open()
-        if h.submit(d, lambda h, a=a: self._gate_answered(a, h)) is Action.HOLD:
-            self.records[a.rid].outcome = "held"
-        else:
-            self._gate_answered(a, h)
+
+    def _probe(self, rec: RequestRecord, a: Attempt) -> None:
+        assert self.admission is not None
+        rec.retry_probe = self.admission.evaluate(self._demand(a)).action.value
 
     def _gate_answered(self, a: Attempt, h: Handle) -> None:
         rec = self.records[a.rid]
@@ -361,7 +375,14 @@ class Driver:
             rec.outcome = f"rejected:{h.decision.reason.value}"
             rec.retry_after_s = h.decision.retry_after_s
             rec.end = self.t
-            a.client.on_done(a, False, float(h.decision.retry_after_s or 1))
+            retry = h.decision.retry_after_s
+            if retry is None:
+                a.client.on_done(a, False, None, give_up=True)
+                return
+            # Probe first (same instant, earlier in the heap than the client's own retry): is the
+            # advertised time one at which this request would have been let in?
+            self.at(self.t + retry, lambda: self._probe(rec, a), housekeeping=True)
+            a.client.on_done(a, False, float(retry))
             return
         a.handle = h
         self._to_engine(a)
@@ -565,6 +586,11 @@ def outcome_summary(
         "rejected": outcomes["rejected"],
         "rejected_by_reason": dict(sorted(rejected.items())),
         "held_then_admitted": sum(1 for r in recs if r.held_s > 0 and not r.outcome.startswith("rejected")),
+        # Rejections that advertised a Retry-After, and how many a retry at that time would have got
+        # in: at once, or into the queue (replay measures it; the live demo cannot).
+        "retry_after_advertised": sum(1 for r in recs if r.retry_probe is not None),
+        "retry_after_admitted": sum(1 for r in recs if r.retry_probe == "admit"),
+        "retry_after_let_in": sum(1 for r in recs if r.retry_probe in ("admit", "hold")),
         "in_flight_at_end": outcomes["in_flight"] + outcomes["held"],
         "served_tokens": served,
         "span_s": round(span, 3),
@@ -598,11 +624,18 @@ SUMMARY_ROWS = [
     ("rejected (503)", lambda r: str(r["rejected"])),
     ("  by reason", lambda r: ", ".join(f"{k} {v}" for k, v in r["rejected_by_reason"].items()) or "-"),
     ("held, then admitted", lambda r: str(r["held_then_admitted"])),
+    ("retry at Retry-After let in", lambda r: _retry_fraction(r, "retry_after_let_in")),
+    ("  admitted at once", lambda r: _retry_fraction(r, "retry_after_admitted")),
     ("in flight at end", lambda r: str(r["in_flight_at_end"])),
     ("goodput (tok/s)", lambda r: f"{r['goodput_tokens_per_s']:,.0f}"),
     ("TTFT p50 (completed)", lambda r: "-" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.1f} s"),
     ("TTFT p99 (completed)", lambda r: "-" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s']:.1f} s"),
 ]
+
+
+def _retry_fraction(r: dict[str, Any], key: str) -> str:
+    n = r.get("retry_after_advertised", 0)
+    return "-" if not n else f"{r[key]}/{n} ({100 * r[key] / n:.0f} %)"
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
