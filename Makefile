@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-$(TOOLS): scripts/tools.sh
+$(TOOLS): scripts/tools.sh tests/crd/package-lock.json
 	bash scripts/tools.sh
 	touch $(TOOLS)
 

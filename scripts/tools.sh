@@ -6,6 +6,8 @@
 # unpacked with `dpkg -x` into .tools/root: `apt-get install prometheus` would also pull the web UI's
 # JavaScript and its maintainer script starts a Prometheus server, which a test machine must not get.
 # (hadolint and kubernetes-validate come from PyPI through the `test` extra.)
+# The Prometheus Operator CRD schemas (for the PodMonitor, which kubernetes-validate has no schema for)
+# come from npm (@kubernetes-models/prometheus-operator, locked in tests/crd/), run by Debian's nodejs.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 tools="$here/.tools"
@@ -42,6 +44,11 @@ WRAP
         chmod +x "$tools/bin/systemd-analyze"
     fi
 fi
+
+if ! command -v npm >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq nodejs npm
+fi
+(cd "$here/tests/crd" && npm ci --no-audit --no-fund --loglevel=error)
 
 "$tools/bin/promtool" --version | head -n1
 "$tools/bin/prometheus" --version | head -n1

@@ -4,6 +4,7 @@ drain, policy reload)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -21,8 +22,10 @@ K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 # 1.34: resource.k8s.io/v1 (DRA) is GA; the latest release the validator ships.
 VERSIONS = ("1.34.0", "1.37.0")
-# Custom resources with no schema offline: checked by hand below, not by the validator.
-UNCHECKED = {"PodMonitor"}
+# Custom resources kubernetes-validate has no schema for: validated against their CRD's OpenAPI schema
+# by tests/crd/validate.mjs instead (npm @kubernetes-models/prometheus-operator).
+NO_K8S_SCHEMA = {"PodMonitor"}
+CRD_CHECK = ROOT / "tests" / "crd" / "validate.mjs"
 
 
 def render(overlay: Path) -> list[dict[str, Any]]:
@@ -48,6 +51,22 @@ def validate(docs: list[dict[str, Any]], tmp: Path, version: str) -> subprocess.
     )
 
 
+def crd_check(docs: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    node = shutil.which("node")
+    assert node and (CRD_CHECK.parent / "node_modules").exists(), "run `make tools` (npm ci in tests/crd)"
+    return subprocess.run(
+        [node, str(CRD_CHECK)], input=json.dumps(docs), capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_crd_check_rejects_a_wrong_type() -> None:
+    docs = render(OVERLAYS[0])
+    (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    pm["spec"]["podMetricsEndpoints"][0]["interval"] = 15
+    r = crd_check(docs)
+    assert r.returncode == 1 and "interval must be string" in r.stdout, r.stdout + r.stderr
+
+
 def pod_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     return dep["spec"]["template"]["spec"]
@@ -63,7 +82,11 @@ def test_overlay_renders_and_validates_strictly(overlay: Path, tmp_path: Path) -
         unchecked = {
             line.split("kind ")[1].split()[0] for line in out.splitlines() if "Couldn't find schema" in line
         }
-        assert unchecked == UNCHECKED, out
+        assert unchecked == NO_K8S_SCHEMA, out
+    r = crd_check(docs)
+    assert r.returncode == 0, r.stdout + r.stderr
+    checked = {c.split("/")[0] for c in json.loads(r.stdout)["checked"]}
+    assert checked == NO_K8S_SCHEMA, r.stdout
     assert {d["metadata"]["namespace"] for d in docs} == {f"lane-{overlay.name}"}
 
 
@@ -121,7 +144,10 @@ def test_overlay_says_what_the_readme_says(overlay: Path) -> None:
     ]["name"]
     assert cm["data"]["policy.yaml"] == (ROOT / "policies" / f"{overlay.name}.yaml").read_text()
     load_policy_text(cm["data"]["policy.yaml"], f"policies/{overlay.name}.yaml")
-    assert pod["shareProcessNamespace"] is True and "pkill -HUP -f '[s]glang-sidecar serve'" in reloader["command"][-1]
+    assert (
+        pod["shareProcessNamespace"] is True
+        and "pkill -HUP -f '[s]glang-sidecar serve'" in reloader["command"][-1]
+    )
     # Admin token from a Secret, at the path the sidecar is told.
     mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
     secret = [v for v in pod["volumes"] if "secret" in v]
@@ -130,7 +156,7 @@ def test_overlay_says_what_the_readme_says(overlay: Path) -> None:
 
 
 def test_podmonitor_scrapes_the_ports_and_jobs_the_alerts_expect() -> None:
-    """PodMonitor has no schema offline (UNCHECKED): its fields are checked here instead."""
+    """The CRD schema allows unknown fields (the API server prunes them): the fields used are checked here."""
     docs = render(OVERLAYS[0])
     (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
