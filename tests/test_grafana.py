@@ -8,6 +8,9 @@ import json
 import re
 
 import yaml
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.cog.plugins import register_default_plugins
+from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from tests.tools import ROOT
 
@@ -108,3 +111,31 @@ def test_provisioning_files_have_grafanas_shape() -> None:
     # The compose file mounts the dashboards where the provider looks.
     compose = (ROOT / "deploy" / "docker" / "compose.yaml").read_text()
     assert provider["options"]["path"] in compose
+
+
+def _lost(ours, decoded, path=""):
+    """What of ``ours`` did not come back from Grafana's types: keys dropped or values changed."""
+    if isinstance(ours, dict):
+        if not isinstance(decoded, dict):
+            return [path]
+        return [
+            p
+            for k, v in ours.items()
+            for p in (_lost(v, decoded[k], f"{path}/{k}") if k in decoded else [f"{path}/{k}"])
+        ]
+    if isinstance(ours, list):
+        if not isinstance(decoded, list) or len(ours) != len(decoded):
+            return [path]
+        return [
+            p for i, (a, b) in enumerate(zip(ours, decoded, strict=True)) for p in _lost(a, b, f"{path}[{i}]")
+        ]
+    return [] if ours == decoded else [path]
+
+
+def test_grafanas_own_types_read_the_committed_json_back() -> None:
+    """Decoded with grafana-foundation-sdk's dashboard model (panels and queries by plugin), nothing is
+    dropped or changed: the JSON is a dashboard as Grafana's schema describes it."""
+    register_default_plugins()
+    ours = json.loads(DASHBOARD.read_text())
+    decoded = json.loads(json.dumps(Dashboard.from_json(ours), cls=JSONEncoder))
+    assert _lost(ours, decoded) == []
