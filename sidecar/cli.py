@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sidecar import __version__
 from sidecar.policy import PolicyError, load_policy_file
 
 EXIT_USAGE = 2
@@ -73,44 +74,78 @@ def _choices(annotation: object) -> list[str] | None:
     return None
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says its default itself or has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and "default" not in text
+            and default is not None
+            and default is not False
+            and default != argparse.SUPPRESS
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-sidecar",
         description="Admission control for SGLang: hold or reject the requests that would push the engine "
         "out of GPU memory, Mamba slots or its queue.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
 
-    c = sub.add_parser("check-policy", help="validate a policy file (exit 0 valid, 2 invalid)")
-    c.add_argument("file", metavar="FILE")
+    c = sub.add_parser(
+        "check-policy",
+        help="validate a policy file (exit 0 valid, 2 invalid) and say what it will do",
+        formatter_class=DefaultsShown,
+    )
+    c.add_argument("file", metavar="FILE", help="the policy YAML")
 
-    d = sub.add_parser("demo", help="emulator + sidecar on loopback: the outage, with and without the gate")
-    d.add_argument("--profile", default="maxq-old", help="emulator lane profile (default maxq-old)")
+    d = sub.add_parser(
+        "demo",
+        help="emulator + sidecar on loopback: the outage, with and without the gate",
+        formatter_class=DefaultsShown,
+    )
+    d.add_argument("--profile", default="maxq-old", help="emulator lane profile")
     d.add_argument("--policy", default=None, help="policy for the gated run (default: the profile's)")
-    d.add_argument("--speed", type=float, default=None, help="emulator time speed-up factor")
-    d.add_argument("--seed", type=int, default=7)
+    d.add_argument(
+        "--speed", type=float, default=None, help="emulator time speed-up factor (default: the demo's own)"
+    )
+    d.add_argument("--seed", type=int, default=7, help="seed of the workload and the model's noise")
     d.add_argument("--json", metavar="OUT", help="also write the summary as JSON")
     d.add_argument(
         "--cuda", action="store_true", help="real GPU memory (PyTorch) and real NVML instead of the model"
     )
 
-    e = sub.add_parser("emulate", help="run the SGLang-compatible engine emulator as a server")
+    e = sub.add_parser(
+        "emulate", help="run the SGLang-compatible engine emulator as a server", formatter_class=DefaultsShown
+    )
     e.add_argument("--profile", default="maxq-old", help="lane profile (see --list-profiles)")
-    e.add_argument("--listen", default="127.0.0.1:30000", metavar="HOST:PORT")
+    e.add_argument("--listen", default="127.0.0.1:30000", metavar="HOST:PORT", help="address to listen on")
     e.add_argument("--speed", type=float, default=1.0, help="engine seconds per wall second")
     e.add_argument("--gpu-file", metavar="PATH", help="publish free memory here for --gpu-source file:PATH")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, default=0, help="seed of the model's noise")
     e.add_argument("--cuda", action="store_true", help="allocate the pool and transients on the real GPU")
     e.add_argument("--restart-s", type=float, default=None, help="downtime after a crash (default: profile)")
-    e.add_argument("--list-profiles", action="store_true")
+    e.add_argument("--list-profiles", action="store_true", help="list the lane profiles and exit")
 
-    r = sub.add_parser("replay", help="run a scenario or trace through a policy in virtual time")
+    r = sub.add_parser(
+        "replay",
+        help="run a scenario or trace through a policy in virtual time",
+        formatter_class=DefaultsShown,
+    )
     r.add_argument("scenario", metavar="SCENARIO", help="scenario YAML, request-log JSONL or decision log")
     r.add_argument("--policy", metavar="FILE", help="policy for the gate (default: the scenario's)")
     r.add_argument("--gate", choices=["on", "off", "both"], default="both", help="run gated, ungated or both")
     r.add_argument("--profile", default=None, help="engine profile (default: the scenario's)")
-    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--seed", type=int, default=None, help="seed (default: the scenario's)")
     r.add_argument("--json", metavar="OUT", help="write the full result as JSON")
     r.add_argument("--plot", metavar="OUT.png", help="plot memory, pools, queue and decisions over time")
     return parser

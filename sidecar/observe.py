@@ -9,7 +9,6 @@ an absent series, never a 0.
 from __future__ import annotations
 
 import collections
-import importlib.metadata
 import json
 import logging
 import threading
@@ -29,7 +28,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sidecar import logs
+from sidecar import __version__, logs
 from sidecar.admission import Outcome
 from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action, Decision, Reason
@@ -252,10 +251,7 @@ def register_process_metrics(registry: CollectorRegistry) -> None:
 
 
 def sidecar_version() -> str:
-    try:
-        return importlib.metadata.version("sglang-sidecar")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    return __version__
 
 
 def decision_record(
