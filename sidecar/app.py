@@ -143,7 +143,9 @@ class SidecarApp:
             )
             # Fail at start-up, loudly, when the configured GPU source cannot be read at all.
             first = await self.gpu_poller.check()
-            self._on_gpu(first, SourceHealth(last_ok_at=self.clock()))
+            # None: a file not written yet; the poller says so, once, and the signal is stale.
+            if first is not None:
+                self._on_gpu(first, SourceHealth(last_ok_at=self.clock()))
         self.control = make_control_client(timeout_s=5.0)
         self.proxy.session = make_session(*self._limits)
         self.scraper = EngineScraper(

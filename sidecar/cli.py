@@ -136,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--restart-s", type=float, default=None, help="downtime after a crash (default: profile)")
     e.add_argument("--list-profiles", action="store_true", help="list the lane profiles and exit")
 
+    w = sub.add_parser(
+        "wait",
+        help="wait until a sidecar (or any URL) answers 200: for scripts that start one",
+        formatter_class=DefaultsShown,
+    )
+    w.add_argument("url", nargs="?", default="http://127.0.0.1:8001/readyz", help="the URL to poll")
+    w.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after this long")
+
     r = sub.add_parser(
         "replay",
         help="run a scenario or trace through a policy in virtual time",
@@ -159,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": _demo,
         "emulate": _emulate,
         "replay": _replay,
+        "wait": _wait,
     }[args.command]
     return handler(args)
 
@@ -323,6 +332,34 @@ def run_uvicorn(
     return 0 if server.started else 3
 
 
+def _wait(args: argparse.Namespace) -> int:
+    """Poll ``url`` until it answers 200; print what it last said otherwise. Exit 0 ready, 1 not."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + args.timeout
+    last = "no answer yet"
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            try:
+                r = client.get(args.url)
+                if r.status_code == 200:
+                    print(f"{args.url}: ready")
+                    return 0
+                try:
+                    problems = r.json().get("problems")
+                except ValueError:
+                    problems = None
+                last = f"{r.status_code}" + (f": {'; '.join(problems)}" if problems else "")
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if time.monotonic() >= deadline:
+                print(f"{args.url}: not ready after {args.timeout:g} s ({last})", file=sys.stderr)
+                return 1
+            time.sleep(0.25)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from sidecar.sim.demo import run_demo
 
@@ -330,9 +367,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _emulate(args: argparse.Namespace) -> int:
+    from sidecar.logs import installed
     from sidecar.sim.server import main as emulate_main
 
-    return emulate_main(args)
+    with installed("info", "text"):
+        return emulate_main(args)
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ async def serve_app(
         lifespan=lifespan,
         log_level="warning",
         access_log=False,
+        log_config=None,  # lines go through the process's logging, not uvicorn's own handlers
         timeout_graceful_shutdown=2,
     )
     server = uvicorn.Server(config)

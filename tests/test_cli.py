@@ -99,7 +99,7 @@ def test_serve_fails_at_start_up_when_the_gpu_source_cannot_be_read(tmp_path: Pa
         "--policy",
         str(POLICIES / "h200-generic.yaml"),
         "--gpu-source",
-        f"file:{tmp_path}/missing.json",
+        f"file:{tmp_path}/no-such-dir/gpu.json",
     )
     assert r.returncode != 0
-    assert "missing.json does not exist" in r.stderr
+    assert f"directory {tmp_path}/no-such-dir does not exist" in r.stderr

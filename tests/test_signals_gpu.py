@@ -33,6 +33,8 @@ GIB = 1024**3
 # Spec strings
 # --------------------------------------------------------------------------------------------------
 
+NOT_YET = "does not exist (yet?): GPU signals are stale until its writer creates it"
+
 
 def test_specs_build_the_named_sources() -> None:
     assert isinstance(parse_gpu_source("nvml"), NvmlSource)
@@ -122,7 +124,7 @@ async def test_file_source_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "nope.json"
     with pytest.raises(GpuSourceError) as info:
         await FileSource(path).read(0.0)
-    assert info.value.message == f"file:{path}: {path} does not exist"
+    assert info.value.message == f"file:{path}: {path} {NOT_YET}"
 
 
 @pytest.mark.parametrize(
@@ -455,8 +457,11 @@ async def test_check_reads_once_or_raises(tmp_path: Path) -> None:
     # The file was just written, so the reading is about as old as the clock's "now" at the read.
     assert (await check(FileSource(path), clock=clock)).observed_at == pytest.approx(100.5, abs=1)
     assert (await GpuPoller(FileSource(path), clock=clock).check()).observed_at == pytest.approx(101.0, abs=1)
-    with pytest.raises(GpuSourceError, match="does not exist"):
-        await GpuPoller(FileSource(tmp_path / "missing.json")).check()
+    # A file its writer has not created yet is no reading (stale), not a start-up failure...
+    assert await GpuPoller(FileSource(tmp_path / "missing.json")).check() is None
+    # ...but a directory that does not exist can never get one: that is an error.
+    with pytest.raises(GpuSourceError, match=r"directory .* does not exist"):
+        await GpuPoller(FileSource(tmp_path / "no-such-dir" / "gpu.json")).check()
 
 
 async def collect(run, n: int, on_each: Callable[[object, SourceHealth], None] | None = None) -> list:
@@ -492,7 +497,7 @@ async def test_poller_reports_failures_then_recovery(tmp_path: Path) -> None:
 
     (v0, h0), (v1, h1), (v2, h2) = updates
     assert v0 is None and h0.consecutive_failures == 1 and h0.last_ok_at is None
-    assert h0.last_error == f"file:{path}: {path} does not exist"
+    assert h0.last_error == f"file:{path}: {path} {NOT_YET}"
     assert v1 is None and h1.consecutive_failures == 2
     assert isinstance(v2, GpuSignals) and v2.free_bytes == 5 * GIB
     assert h2.consecutive_failures == 0 and h2.last_error is None and h2.last_ok_at is not None

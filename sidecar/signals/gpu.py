@@ -413,7 +413,10 @@ class FileSource:
             fingerprint, data, mtime = await asyncio.to_thread(self._read_file)
             text = data.decode("utf-8")
         except FileNotFoundError as exc:
-            raise GpuSourceError(f"{self.spec}: {self.path} does not exist") from exc
+            raise GpuSourceError(
+                f"{self.spec}: {self.path} does not exist (yet?): GPU signals are stale until its writer "
+                "creates it"
+            ) from exc
         except (OSError, UnicodeDecodeError) as exc:
             raise GpuSourceError(f"{self.spec}: cannot read {self.path}: {exc}") from exc
         devices = parse_gpu_file(text, str(self.path))
@@ -424,6 +427,19 @@ class FileSource:
             self._seen_at = now
         self._seen = seen
         return GpuSignals(observed_at=self._seen_at, source=self.spec, devices=tuple(devices))
+
+    async def first_read(self, now: float) -> GpuSignals | None:
+        """Start-up. A file that does not exist *yet* is no reading (stale until its writer - an
+        emulator, an exporter - starts; the policy's ``gpu.on_stale`` applies), so a sidecar started
+        before its writer does not die. A directory that does not exist is a mistake: an error."""
+        if not self.path.parent.is_dir():
+            raise GpuSourceError(
+                f"{self.spec}: directory {self.path.parent} does not exist: nothing can ever write "
+                f"{self.path.name} there (a typo in the path?)"
+            )
+        if not self.path.exists():
+            return None
+        return await self.read(now)
 
     async def aclose(self) -> None:
         return None
@@ -487,8 +503,12 @@ def parse_gpu_source(
     raise ValueError(f"unknown GPU source {spec!r}; expected one of: {_SPEC_FORMS}")
 
 
-async def check(source: GpuSource, *, clock: Callable[[], float] = time.monotonic) -> GpuSignals:
-    """Read a source once, for start-up: a missing GPU source is an error, not a silent gap."""
+async def check(source: GpuSource, *, clock: Callable[[], float] = time.monotonic) -> GpuSignals | None:
+    """Read a source once, for start-up: a missing GPU source is an error, not a silent gap. None: a
+    source that may legitimately have nothing yet (a ``file:`` whose writer has not started)."""
+    first_read = getattr(source, "first_read", None)
+    if first_read is not None:
+        return await first_read(clock())
     return await source.read(clock())
 
 
@@ -508,7 +528,7 @@ class GpuPoller:
         self.interval_s = interval_s
         self._clock = clock
 
-    async def check(self) -> GpuSignals:
+    async def check(self) -> GpuSignals | None:
         """One read now; raises GpuSourceError with the source's explanation."""
         return await check(self.source, clock=self._clock)
 

@@ -340,11 +340,15 @@ class Emulator:
     async def _tick(self) -> None:
         now = self.now()
         events = self.model.advance(now)
+        for event in events:
+            if isinstance(event, Crashed):
+                self._log_crash(event)
         if any(isinstance(e, Crashed) for e in events):
             self._on_crash()
         for event in events:
             if isinstance(event, Restarted):
                 self.frontend = FrontendMetrics()  # a new process: fresh counters
+                logger.warning("engine restarted at engine time %.1f s: serving again, cache empty", event.t)
             rid = getattr(event, "rid", None)
             queue = self._queues.get(rid) if rid is not None else None
             if queue is not None:
@@ -357,6 +361,56 @@ class Emulator:
         self._kick.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._kick.wait(), timeout=max(delay, 0.001))
+
+    def _log_crash(self, crash: Crashed) -> None:
+        """What SGLang's own log would show, plus what a postmortem needs: the state at the crash
+        (live values, not the lagging gauges) and when the engine will be back."""
+        info = self.model.crashes[-1] if self.model.crashes else None
+        live = info.live if info is not None else None
+        restart_s = self.model.profile.restart_s
+        state = (
+            "unknown"
+            if live is None
+            else f"{live.num_running_reqs} running, {live.num_queue_reqs} queued, "
+            f"{live.pending_prefill_tokens:,} pending prefill tokens, token usage {live.token_usage:.2f} "
+            f"(full {live.full_token_usage:.2f}, mamba {live.mamba_usage:.2f})"
+        )
+        memory = (
+            ""
+            if crash.requested_bytes is None or crash.free_bytes is None
+            else f", tried to allocate {crash.requested_bytes / (1 << 20):,.2f} MiB with "
+            f"{crash.free_bytes / (1 << 20):,.2f} MiB free"
+        )
+        logger.error(
+            "Scheduler hit an exception: %s | engine crashed at engine time %.1f s%s; state at the crash: "
+            "%s; %d requests failed; connections dropped%s; back in %.0f s of engine time "
+            "(%.1f s wall at --speed %g)",
+            crash.reason,
+            crash.t,
+            memory,
+            state,
+            len(crash.failed_rids),
+            ", new ones refused" if self.down_mode == "refuse" else "",
+            restart_s,
+            restart_s / self.speed,
+            self.speed,
+            extra={
+                "fields": {
+                    "event": "crash",
+                    "reason": crash.reason,
+                    "engine_t": round(crash.t, 3),
+                    "requested_bytes": crash.requested_bytes,
+                    "free_bytes": crash.free_bytes,
+                    "running": live.num_running_reqs if live else None,
+                    "queued": live.num_queue_reqs if live else None,
+                    "pending_prefill_tokens": live.pending_prefill_tokens if live else None,
+                    "token_usage": live.token_usage if live else None,
+                    "mamba_usage": live.mamba_usage if live else None,
+                    "failed_requests": len(crash.failed_rids),
+                    "restart_s": restart_s,
+                }
+            },
+        )
 
     def _on_crash(self) -> None:
         """The process died: drop every connection; in "refuse" mode stop listening too."""
@@ -824,6 +878,7 @@ class EmulatorServer:
             lifespan="on",
             timeout_graceful_shutdown=1,
             access_log=False,
+            log_config=None,  # lines go through the process's logging (sidecar.logs), not uvicorn's own
         )
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
