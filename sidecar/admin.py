@@ -188,6 +188,7 @@ def build_admin(app: Host, admin_token: str | None) -> FastAPI:
                 max_body_bytes=a.policy.limits.max_body_bytes,
                 path=request.query_params.get("path"),
                 accept_emulator=app.trust_emulator_sizes,
+                priority=a.policy.priority.bounds,
             )
         except BadRequest as e:
             return JSONResponse(e.error_body(), e.status)

@@ -107,6 +107,10 @@ class SidecarApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
+        if not path.startswith("/"):
+            # `OPTIONS *` (or an absolute-form target): not a path any route serves.
+            await send_response(send, _not_a_path(scope))
+            return
         # Every variant the engine would route to a prefill route is gated (`/generate/`, `//generate`).
         route = self.routes.match(path, scope["method"])
         if route is not None:
@@ -335,6 +339,12 @@ class SidecarApp:
             self.scraper.max_metrics_bytes = loaded.policy.engine.max_metrics_bytes
         if self.gpu_poller is not None:
             self.gpu_poller.interval_s = loaded.policy.gpu.poll_interval_s
+
+
+def _not_a_path(scope: Scope) -> Response:
+    if scope["method"] == "OPTIONS" and scope["path"] == "*":
+        return 204, [(b"allow", b"GET, HEAD, POST, PUT, OPTIONS")], b""
+    return error_response(400, "the request target must be a path starting with /", "invalid_target")
 
 
 def _refused(path: str) -> Response:

@@ -13,6 +13,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from sidecar.core.decision import Action
 from sidecar.core.rules import ExceedAction, HeadroomSource
+from sidecar.priority import PriorityBounds
 from sidecar.routes import LATEST, PREFILL_ROUTES
 from sidecar.yamlconf import ConfigError, load_model, read_text
 
@@ -232,6 +234,40 @@ class Hold(_Strict):
         return self
 
 
+class Priority(_Strict):
+    """Bounds on the client-set ``priority`` (sidecar/priority.py says why). Either a range that what
+    clients say is clamped into, or ``classes`` mapped from ``class_header``, a header set by a gateway
+    the operator trusts (client claims are then ignored). ``default``: a request that says nothing or
+    has no known class."""
+
+    min: int = 0
+    max: int = 0
+    default: int = 0
+    class_header: str | None = Field(default=None, min_length=1)
+    classes: dict[str, int] = {}
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Priority:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        if self.class_header is None and not self.min <= self.default <= self.max:
+            raise ValueError(f"default ({self.default}) must lie within min..max ({self.min}..{self.max})")
+        if bool(self.classes) != (self.class_header is not None):
+            raise ValueError("class_header and classes go together: name the header and map its values")
+        return self
+
+    @cached_property
+    def bounds(self) -> PriorityBounds:
+        """Built once per loaded policy, read per request."""
+        return PriorityBounds(
+            self.min,
+            self.max,
+            self.default,
+            self.class_header.lower() if self.class_header else None,
+            dict(self.classes),
+        )
+
+
 class Limits(_Strict):
     # A 524,288-token prompt is several MB of text; JSON escaping can double it.
     max_body_bytes: Size = 32 * 1024 * 1024
@@ -330,6 +366,7 @@ class Policy(_Strict):
     hold: Hold
     limits: Limits = Limits()
     answers: Answers = Answers()
+    priority: Priority = Priority()
 
     def located_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
         """Policies that validate field by field but could never admit anything, each at its field.

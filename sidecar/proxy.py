@@ -33,7 +33,7 @@ from sidecar.core.decision import Action
 from sidecar.core.demand import Demand
 from sidecar.intake import demand_of
 from sidecar.requests import BadRequest, GenerationRequest, parse_generation
-from sidecar.responses import error_response, json_response, rejection_response, send_response
+from sidecar.responses import Response, error_response, json_response, rejection_response, send_response
 from sidecar.routes import Route
 from sidecar.tokens import PromptCounter, TokenCount
 
@@ -108,6 +108,11 @@ class Proxy:
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, gated: bool, route: Route | None = None
     ) -> None:
+        if (problem := _header_problem(scope)) is not None:
+            if gated:
+                self.admission.open().end(Outcome.BAD_REQUEST)
+            await send_response(send, problem)
+            return
         if not gated:
             # Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives.
             try:
@@ -169,6 +174,7 @@ class Proxy:
             _headers_dict(scope),
             max_body_bytes=a.policy.limits.max_body_bytes,
             accept_emulator=self.trust_declared_sizes,
+            priority=a.policy.priority.bounds,
             shape=route.shape if route is not None and route.shape else None,
         )
         try:
@@ -442,11 +448,32 @@ def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[
     """End-to-end headers only. ``keep_length``: a relayed body keeps the client's Content-Length."""
     named = _connection_named(scope["headers"])
     drop = _DROP_REQUEST - {b"content-length"} if keep_length else _DROP_REQUEST
+    # aiohttp writes header strings as UTF-8: decoding them as UTF-8 (checked by `_header_problem`)
+    # relays the client's bytes unchanged; latin-1 turned `café` into `cafÃ©` on the way.
     return CIMultiDict(
-        (k.decode("latin-1"), v.decode("latin-1"))
+        (k.decode("latin-1"), v.decode("utf-8"))
         for k, v in scope["headers"]
         if k not in drop and k not in named
     )
+
+
+def _header_problem(scope: Scope) -> Response | None:
+    """A 400 for a header value that is not UTF-8: the upstream client can only send UTF-8 header text,
+    so such bytes could not be relayed unchanged (they would be dropped or re-encoded)."""
+    for k, v in scope["headers"]:
+        if v.isascii():
+            continue
+        try:
+            v.decode("utf-8")
+        except UnicodeDecodeError:
+            name = k.decode("latin-1")
+            return error_response(
+                400,
+                f'header "{name}" has bytes that are not UTF-8; the sidecar relays header bytes '
+                "unchanged and cannot relay these",
+                "invalid_header",
+            )
+    return None
 
 
 def _response_headers(raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b"") -> list[tuple[bytes, bytes]]:

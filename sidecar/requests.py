@@ -44,6 +44,7 @@ from typing import Any
 
 import orjson
 
+from sidecar.priority import OPEN, PriorityBounds
 from sidecar.responses import error_object
 
 __all__ = [
@@ -197,6 +198,7 @@ def parse_generation(
     max_body_bytes: int,
     accept_emulator: bool = True,
     shape: str | None = None,
+    priority: PriorityBounds = OPEN,
 ) -> GenerationRequest:
     """Parse a gated request's body, or raise :class:`BadRequest` saying what is wrong and where.
 
@@ -207,6 +209,9 @@ def parse_generation(
     then ``X-Priority``); keys may be in any case. The ``Content-Type`` header is deliberately not
     checked: SGLang's ``/generate`` accepts JSON whatever the header says, and refusing what the
     engine would serve is not admission's job.
+
+    ``priority``: the policy's bounds on what a client may claim (``sidecar.priority``); the default
+    takes the claim as is.
 
     ``accept_emulator=False`` ignores the ``emulator`` extension, for lanes whose clients must not be
     able to state their own prompt size.
@@ -223,7 +228,7 @@ def parse_generation(
             '"input_embeds", "prompt" or "messages"',
             "missing_prompt",
         )
-    return _from_object(path, kind, obj, headers, accept_emulator=accept_emulator)
+    return _from_object(path, kind, obj, headers, accept_emulator=accept_emulator, bounds=priority)
 
 
 def parse_explain(
@@ -233,6 +238,7 @@ def parse_explain(
     max_body_bytes: int,
     path: str | None = None,
     accept_emulator: bool = True,
+    priority: PriorityBounds = OPEN,
 ) -> GenerationRequest:
     """Parse a ``POST /admission/explain`` body: a generation body, or ``{"prompt_tokens": N, ...}``.
 
@@ -248,7 +254,7 @@ def parse_explain(
     """
     obj = _load_object(body, max_body_bytes)
     if "prompt_tokens" in obj:
-        return _explain_form(obj, headers)
+        return _explain_form(obj, headers, priority)
     kind = endpoint_kind(path) if path else None
     kind = kind or _kind_from_keys(obj)
     if kind is None:
@@ -258,7 +264,9 @@ def parse_explain(
             'or {"prompt_tokens": N, "max_new_tokens"?: N, "cached_tokens"?: N}',
             "missing_prompt",
         )
-    return _from_object(path or EXPLAIN_PATH, kind, obj, headers, accept_emulator=accept_emulator)
+    return _from_object(
+        path or EXPLAIN_PATH, kind, obj, headers, accept_emulator=accept_emulator, bounds=priority
+    )
 
 
 # --- JSON --------------------------------------------------------------------------------------
@@ -614,13 +622,14 @@ def _from_object(
     headers: Mapping[str, str] | None,
     *,
     accept_emulator: bool,
+    bounds: PriorityBounds = OPEN,
 ) -> GenerationRequest:
     declared, prefix_key, cached = _emulator(obj, accept_emulator)
     common: dict[str, Any] = {
         "path": path,
         "kind": kind,
         "stream": _opt_bool(obj, "stream", "stream"),
-        "priority": _priority(obj, headers),
+        "priority": bounds.resolve(_priority(obj, headers), headers),
         "declared_prompt_tokens": declared,
         "prefix_key": prefix_key,
         "declared_cached_tokens": cached,
@@ -804,7 +813,9 @@ def _walk_prompt(value: object, where: str, texts: list[str], ids: list[list[int
             _walk_prompt(item, f"{where}.{key}", texts, ids, depth + 1)
 
 
-def _explain_form(obj: dict[str, Any], headers: Mapping[str, str] | None) -> GenerationRequest:
+def _explain_form(
+    obj: dict[str, Any], headers: Mapping[str, str] | None, bounds: PriorityBounds = OPEN
+) -> GenerationRequest:
     unknown = sorted(set(obj) - _EXPLAIN_KEYS)
     if unknown:
         raise BadRequest(
@@ -831,7 +842,7 @@ def _explain_form(obj: dict[str, Any], headers: Mapping[str, str] | None) -> Gen
         path=EXPLAIN_PATH,
         kind="explain",
         max_new_tokens=_opt_int(obj, "max_new_tokens", "max_new_tokens"),
-        priority=_priority(obj, headers),
+        priority=bounds.resolve(_priority(obj, headers), headers),
         declared_prompt_tokens=prompt_tokens,
         declared_cached_tokens=cached,
         prefix_key=_opt_str(obj, "prefix_key", "prefix_key"),

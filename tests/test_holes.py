@@ -7,6 +7,7 @@ outcome and that the ledger is back to zero.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -497,3 +498,122 @@ async def test_gpu_file_age_is_from_the_last_change_seen_not_a_future_mtime(tmp_
     path.write_text('{"free_bytes": 2, "total_bytes": 2}')
     os.utime(path, (future + 5, future + 5))  # content changed, mtime pinned: still a change
     assert (await source.read(180.0)).observed_at == 180.0
+
+
+# --- 12. priority bounded by the policy -------------------------------------------------------
+
+
+def _logged_priorities(log: io.StringIO) -> list[int]:
+    return [json.loads(line)["priority"] for line in log.getvalue().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize(
+    ("policy", "sent", "expected"),
+    [
+        ({}, [(10**9, {}), (-(10**9), {}), (None, {"x-admission-priority": "77"})], [0, 0, 0]),
+        (
+            {"priority__min": -2, "priority__max": 5, "priority__default": 1},
+            [(10**9, {}), (-(10**9), {}), (3, {}), (None, {})],
+            [5, -2, 3, 1],
+        ),
+        (
+            {"priority__class_header": "X-Tenant-Class", "priority__classes": {"gold": 50, "batch": -5}},
+            [
+                (10**9, {}),
+                (10**9, {"x-tenant-class": "gold"}),
+                (0, {"x-tenant-class": "batch"}),
+                (9, {"x-tenant-class": "forged"}),
+            ],
+            [0, 50, -5, 0],
+        ),
+    ],
+)
+async def test_client_priority_is_bounded_by_the_policy(
+    tmp_path: Path, policy: dict, sent: list, expected: list[int]
+) -> None:
+    log = io.StringIO()
+    engine = FakeEngine()
+    async with lane(tmp_path, engine, app_kwargs={"decision_log": log}, **policy) as (url, app, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            for priority, headers in sent:
+                body = gen(stream=False) | ({} if priority is None else {"priority": priority})
+                r = await client.post(url + "/generate", json=body, headers=headers)
+                assert r.status_code == 200, r.text
+        await settled(app, len(sent))
+        await eventually(lambda: len(_logged_priorities(log)) == len(sent))
+    assert _logged_priorities(log) == expected
+
+
+def test_priority_policy_is_checked() -> None:
+    from sidecar.policy import PolicyError
+    from tests.conftest import small_policy
+
+    for bad in (
+        {"priority__min": 3, "priority__max": 1},
+        {"priority__default": 9},
+        {"priority__class_header": "x-t"},
+    ):
+        with pytest.raises(PolicyError, match="priority"):
+            small_policy(**bad)
+
+
+# --- 13. OPTIONS * and header bytes ------------------------------------------------------------
+
+
+class HeaderBytesEngine(FakeEngine):
+    """Answers /raw with the hex of the `x-name` header bytes it received."""
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "http" and scope["path"] == "/raw":
+            got = [v.hex() for k, v in scope["headers"] if k == b"x-name"]
+            body = json.dumps(got).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        await super().__call__(scope, receive, send)
+
+
+async def raw_request(url: str, request: bytes) -> bytes:
+    import asyncio
+
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = re.search(rb"(?im)^content-length: *(\d+)", head)
+        body = await asyncio.wait_for(reader.readexactly(int(length.group(1))), 10) if length else b""
+        return head + body
+    finally:
+        writer.close()
+
+
+async def test_options_star_and_header_bytes(tmp_path: Path) -> None:
+    engine = HeaderBytesEngine()
+    async with lane(tmp_path, engine) as (url, app, _):
+        r = await raw_request(url, b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert r.startswith(b"HTTP/1.1 204"), r[:200]
+        r = await raw_request(url, b"GET /raw HTTP/1.1\r\nHost: x\r\nX-Name: caf\xc3\xa9\r\n\r\n")
+        assert r.startswith(b"HTTP/1.1 200"), r[:200]
+        assert json.loads(r.split(b"\r\n\r\n", 1)[1]) == [b"caf\xc3\xa9".hex()]  # not cafÃ©
+        # a byte that is not UTF-8 cannot be relayed unchanged: said, not mangled
+        r = await raw_request(url, b"GET /raw HTTP/1.1\r\nHost: x\r\nX-Name: caf\xe9\r\n\r\n")
+        assert r.startswith(b"HTTP/1.1 400") and b"x-name" in r, r[:300]
+        body = json.dumps(gen(stream=False)).encode()
+        r = await raw_request(
+            url,
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Name: caf\xe9\r\n"
+            + b"Content-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body,
+        )
+        assert r.startswith(b"HTTP/1.1 400"), r[:300]
+        await settled(app, 1)
