@@ -62,7 +62,7 @@ FIRE = {
     "SidecarSignalStale",
     "SidecarDown",
 }
-QUIET = {"SidecarNotScraped", "SidecarDecisionLogDropping"}
+QUIET = {"SidecarNotScraped", "SidecarLogLinesDropped"}
 
 
 def free_port() -> int:
