@@ -24,6 +24,7 @@ from sidecar.policy_source import PolicySource, UploadRefused
 from sidecar.policy_summary import summarize
 from sidecar.requests import BadRequest, parse_explain
 from sidecar.responses import decision_fields, error_object
+from sidecar.routing import loads_view, signals
 from sidecar.signals.gpu import GpuSource
 from sidecar.tokens import PromptCounter
 
@@ -34,6 +35,8 @@ ADMIN_PATHS = frozenset(
         "/admission/state",
         "/admission/explain",
         "/admission/policy",
+        "/admission/signals",
+        "/admission/loads",
         "/healthz",
         "/readyz",
         "/metrics",
@@ -176,6 +179,16 @@ def build_admin(app: Host, admin_token: str | None) -> FastAPI:
     @api.get("/admission/state")
     async def get_state() -> dict[str, Any]:
         return state(app)
+
+    @api.get("/admission/signals")
+    async def get_signals() -> dict[str, Any]:
+        """Routing signals of this lane now (sidecar/routing.py): what fits, headroom, held, queue."""
+        return signals(app.admission)
+
+    @api.get("/admission/loads")
+    async def get_loads() -> dict[str, Any]:
+        """SGLang's /v1/loads shape with the sidecar's held and forwarded-not-prefilled work added."""
+        return loads_view(app.admission)
 
     @api.post("/admission/explain")
     async def explain(request: Request) -> JSONResponse:

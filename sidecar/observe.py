@@ -36,6 +36,7 @@ from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.policy import Policy
 from sidecar.responses import decision_fields
+from sidecar.routing import fit_prompt_tokens
 
 if TYPE_CHECKING:
     from sidecar.admission import Admission
@@ -327,6 +328,17 @@ class StateCollector(Collector):
                 e.running_requests if e else None,
             ),
             gauge("draining", "1 while the sidecar drains for shutdown", 1.0 if a.draining else 0.0),
+            # Routing signals (sidecar/routing.py), for a router or an endpoint scorer.
+            gauge(
+                "fit_prompt_tokens",
+                "Largest uncached prompt (tokens) the gate would admit at once now; 0 if none",
+                fit_prompt_tokens(a),
+            ),
+            gauge(
+                "oldest_held_wait_seconds",
+                "How long the oldest held request has waited (absent when none is held)",
+                a.oldest_wait_s(),
+            ),
         ]
         yield from (m for m in metrics if m is not None)
 
