@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("url", nargs="?", default="http://127.0.0.1:8001/readyz", help="the URL to poll")
     w.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after this long")
 
+    from sidecar.calibrate_io import add_parser as add_calibrate
+
+    add_calibrate(sub)
+
     r = sub.add_parser(
         "replay",
         help="run a scenario or trace through a policy in virtual time",
@@ -168,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "emulate": _emulate,
         "replay": _replay,
         "wait": _wait,
+        "calibrate": _calibrate,
     }[args.command]
     return handler(args)
 
@@ -372,6 +377,12 @@ def _emulate(args: argparse.Namespace) -> int:
 
     with installed("info", "text"):
         return emulate_main(args)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from sidecar.calibrate_io import main as calibrate_main
+
+    return calibrate_main(args)
 
 
 def _replay(args: argparse.Namespace) -> int:

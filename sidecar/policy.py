@@ -107,22 +107,73 @@ class Prompt(_Strict):
     engine_tokenize_timeout_s: float = Field(default=10.0, gt=0)
 
 
-class Cost(_Strict):
-    """Bytes one prefill allocates outside the KV pool.
+# Term shapes per architecture and build, filled in for the fields a policy leaves out. The numbers are
+# the Qwen3-Next family's (docs/evidence.md); a calibrated policy states every coefficient itself.
+COST_PRESETS: dict[str, dict[str, object]] = {
+    # Full-context prefill gather that grows with the whole request (the outage build).
+    "old_gather": {
+        "activation_bytes_per_chunk_token": 12 * 1024,
+        "context_bytes_per_token": 2735,
+        "gather_bytes_per_context_token": 2048,
+        "gather_cap_bytes": None,
+        "batch_join_bytes": 1248 * 1024 * 1024,
+    },
+    # The same gather bounded at 32 MiB (the validation build).
+    "bounded_gather": {
+        "activation_bytes_per_chunk_token": 12 * 1024,
+        "context_bytes_per_token": 2735,
+        "gather_bytes_per_context_token": 2048,
+        "gather_cap_bytes": 32 * 1024 * 1024,
+        "batch_join_bytes": 1248 * 1024 * 1024,
+    },
+    # A sparse-attention indexer's [chunk rows x context] buffer outside the static fraction (about
+    # 6 bytes per chunk token per context token); the other terms must still be measured.
+    "indexer": {
+        "activation_bytes_per_chunk_token": 12 * 1024,
+        "chunk_context_bytes": 6.0,
+    },
+}
 
-    ``(fixed + per_chunk_token * min(uncached, chunk) + per_context_token * prompt
-    + min(gather_per_context_token * prompt, gather_cap)) * margin``. The per-chunk term follows chunked
-    prefill (a bigger prompt is more chunks, not a bigger chunk). The context terms are the temporaries
-    of the last chunk, which attends over the whole request: one that grows on every build, and the
-    full-context gather whose growth a bounded-gather build caps.
+
+class Cost(_Strict):
+    """Bytes a request allocates outside the KV pool, term by term (each optional).
+
+    Prefill transient, held until the first token:
+    ``(fixed + per_chunk_token * n + per_context_token * x + chunk_context * n * x
+    + min(gather_per_context_token * x, gather_cap)) * margin`` with ``n = min(uncached, chunk)`` (chunked
+    prefill: a bigger prompt is more chunks, not a bigger chunk) and ``x`` the whole prompt (the last
+    chunk attends over the request, cached prefix included). Batch join, held while the request runs
+    (first token to end): ``(batch_join + per_running_request * running) * margin`` once two or more
+    requests run together. ``preset`` fills the fields left out (``COST_PRESETS``).
     """
 
+    preset: str | None = None
     fixed_bytes: Size = 0
     activation_bytes_per_chunk_token: Size
     context_bytes_per_token: Size = 0
+    # Bytes per chunk token per context token: a [chunk_rows, context] buffer (indexer-style).
+    chunk_context_bytes: float = Field(default=0.0, ge=0)
     gather_bytes_per_context_token: Size = 0
     gather_cap_bytes: Size | None = None
+    # What the running batch allocates when a request joins it (SGLang merges a finished prefill into
+    # the decode batch); a function of the running batch size.
+    # None: never measured (counts as 0, and calibrate probes for it); 0: measured, nothing seen.
+    batch_join_bytes: Size | None = None
+    batch_join_bytes_per_running_request: Size = 0
     margin: float = Field(default=1.0, ge=1.0)
+    # The longest probe of the calibration these coefficients come from: beyond it they are an
+    # extrapolation (shown by check-policy and /admission/state). None: not calibrated.
+    calibrated_up_to_prompt_tokens: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: object) -> object:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        name = data["preset"]
+        if name not in COST_PRESETS:
+            raise ValueError(f"unknown cost preset {name!r}; known: {', '.join(COST_PRESETS)}")
+        return {**COST_PRESETS[name], **data}
 
 
 class Vram(_Strict):

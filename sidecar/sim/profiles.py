@@ -462,7 +462,71 @@ H200 = LaneProfile(
     gather_bytes_per_token=0,
 )
 
-PROFILES: dict[str, LaneProfile] = {p.name: p for p in (MAXQ_OLD, MAXQ_BOUNDED, MAMBA_LANE, H200)}
+# --------------------------------------------------------------------------------------------------
+# An H200 serving a Qwen3-Next-class hybrid model with the outage lane's long-context settings
+# (--mem-fraction-static 0.98, 524K context, 8,192-token chunks, FP8 KV), bounded-gather build.
+# --------------------------------------------------------------------------------------------------
+_H200_QN_GRAPHS = 860 * MiB  # assumed, calibrate: as the idle-dense fixture's decode graphs (0.84 GB)
+_H200_QN_MAMBA_SLOTS = 64  # assumed, calibrate: SGLang sizes the state pool with the card
+_H200_QN_START = _H200_TOTAL - _H200_RESERVED - _H200_CONTEXT  # memory SGLang sees at start
+# Derived: SGLang leaves (1 - 0.98) of its start memory outside the static pools; the graphs take
+# their share of it, the rest is what NVML shows free with the engine idle (~1,993 MiB).
+_H200_QN_IDLE_FREE = int(_H200_QN_START * 0.02) - _H200_QN_GRAPHS
+# Assumed: FP8 weights (Hopper has no NVFP4 kernels) of an 80B model, ~77,700 MiB with the BF16 parts.
+_H200_QN_WEIGHTS = 77_700 * MiB
+_H200_QN_POOL = (
+    int(_H200_QN_START * 0.98) - _H200_QN_WEIGHTS - _H200_QN_MAMBA_SLOTS * _QWEN3_NEXT_MAMBA_SLOT
+) // _QWEN3_NEXT_KV_BYTES
+
+H200_QWEN3NEXT = LaneProfile(
+    name="h200-qwen3next",
+    description=(
+        "One H200 (143,771 MiB) serving a Qwen3-Next-class hybrid model, FP8 weights and KV, "
+        "--mem-fraction-static 0.98, 524K context, 8,192-token chunks, bounded-gather build; "
+        "~1.9 GiB free when idle, the Max-Q lanes' transients and batch-join allocation."
+    ),
+    served_model_name="Qwen/Qwen3-Next-80B-A3B-Instruct-FP8",
+    device_total_bytes=_H200_TOTAL,
+    device_reserved_bytes=_H200_RESERVED,
+    other_process_bytes=0,  # assumed: the engine is alone on the card
+    mem_fraction_static=0.98,  # the outage lane's launch flag (brief section 1)
+    weights_bytes=_residual_weights(
+        total=_H200_TOTAL,
+        reserved=_H200_RESERVED,
+        other=0,
+        context=_H200_CONTEXT,
+        graphs=_H200_QN_GRAPHS,
+        kv=_H200_QN_POOL * _QWEN3_NEXT_KV_BYTES,
+        mamba=_H200_QN_MAMBA_SLOTS * _QWEN3_NEXT_MAMBA_SLOT,
+        idle_free=_H200_QN_IDLE_FREE,
+    ),
+    kv_pool_tokens=_H200_QN_POOL,
+    kv_bytes_per_token=_QWEN3_NEXT_KV_BYTES,
+    cuda_context_bytes=_H200_CONTEXT,
+    cuda_graph_bytes=_H200_QN_GRAPHS,
+    mamba_slots=_H200_QN_MAMBA_SLOTS,
+    mamba_bytes_per_slot=_QWEN3_NEXT_MAMBA_SLOT,
+    chunked_prefill_size=8192,  # as the outage lane (fixture server-info)
+    max_running_requests=32,  # assumed, calibrate
+    context_length=524_288,  # as the outage lane (fixture server-info)
+    mamba_slots_per_request=1,
+    mamba_checkpoint_interval_tokens=0,
+    # Assumed, calibrate: ~2x the Max-Q card's compute.
+    prefill_tokens_per_s=2 * _MAXQ_PREFILL_TPS,
+    prefill_half_speed_context=_MAXQ_PREFILL_HALF,
+    decode_tokens_per_s=2 * _MAXQ_DECODE_TPS,
+    # Assumed: the same model family and build as maxq-bounded, so the same transients (brief section 1).
+    activation_bytes_per_token=_ACTIVATION_PER_TOKEN,
+    context_bytes_per_token=_CONTEXT_PER_TOKEN,
+    gather_bytes_per_token=_GATHER_PER_TOKEN,
+    gather_cap_bytes=_GATHER_BOUNDED_CAP,
+    unknown_extra_bytes=_UNKNOWN_EXTRA,
+    unknown_extra_min_running=2,
+)
+
+PROFILES: dict[str, LaneProfile] = {
+    p.name: p for p in (MAXQ_OLD, MAXQ_BOUNDED, MAMBA_LANE, H200, H200_QWEN3NEXT)
+}
 
 
 def profile_names() -> list[str]:

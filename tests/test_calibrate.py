@@ -1,0 +1,187 @@
+"""calibrate: the probe loop, the fit and the proposal, against the engine model and over HTTP.
+
+The acceptance matrix runs every emulator profile twice, from a policy whose coefficients are 3x too
+low and 3x too high, in virtual time (no HTTP: the same loop, a :class:`ModelLane`); one test runs the
+real command against the emulator's HTTP server and its GPU file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from sidecar.calibrate import (
+    Bounds,
+    Coefficients,
+    Fit,
+    ProbeRun,
+    fit,
+    plan_probes,
+    proposal_text,
+    run_probes,
+)
+from sidecar.cli import main
+from sidecar.policy import load_policy_file, load_policy_text
+from sidecar.sim.engine import EngineModel
+from sidecar.sim.probe_lane import ModelLane, true_coefficients
+from sidecar.sim.profiles import PROFILES, LaneProfile, MiB
+from sidecar.sim.server import EmulatorServer, build_emulator_app
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICY = {  # which shipped policy file describes each profile's lane (the start of a calibration)
+    "maxq-old": "policies/maxq-qwen3next-old.yaml",
+    "maxq-bounded": "policies/maxq-qwen3next-bounded.yaml",
+    "mamba-lane": "policies/mamba-lane.yaml",
+    "h200": "policies/h200-generic.yaml",
+    "h200-qwen3next": "policies/h200-generic.yaml",
+}
+TERMS = (
+    "fixed_bytes",
+    "activation_bytes_per_chunk_token",
+    "context_bytes_per_token",
+    "chunk_context_bytes",
+    "gather_bytes_per_context_token",
+    "gather_cap_bytes",
+    "batch_join_bytes",
+    "batch_join_bytes_per_running_request",
+)
+
+
+def calibrate_model(profile: LaneProfile, start: Coefficients, **plan: object) -> tuple[ProbeRun, Fit | str]:
+    lane = ModelLane(EngineModel(profile, 0))
+    probes = plan_probes(profile.chunked_prefill_size, profile.context_length, **plan)  # type: ignore[arg-type]
+    run = asyncio.run(run_probes(lane, lane, probes, start, Bounds()))
+    assert not lane.model.crashes, "calibrate crashed the engine"
+    return run, fit(run)
+
+
+def term_error(name: str, fitted: Coefficients, truth: Coefficients, largest: int) -> float:
+    """Relative error of one term; a term that is truly zero is judged by the bytes it would add at
+    the largest probe, against the true peak there (0.15 is the acceptance bound either way)."""
+    f, t = getattr(fitted, name), getattr(truth, name)
+    if t is None or f is None:
+        return 0.0 if t is None and f is None else 1.0
+    if t:
+        return abs(f - t) / t
+    scale = {"chunk_context_bytes": 8192 * largest, "fixed_bytes": 1, "batch_join_bytes": 1}.get(
+        name, largest
+    )
+    peak = truth.prefill_step([(8192, largest)]) or 1.0
+    return abs(f) * scale / peak
+
+
+@pytest.mark.parametrize("factor", [1 / 3, 3.0], ids=["3x-too-low", "3x-too-high"])
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_fit_recovers_every_profiles_coefficients(
+    name: str, factor: float, capsys: pytest.CaptureFixture
+) -> None:
+    profile = PROFILES[name]
+    truth = true_coefficients(profile)
+    _, result = calibrate_model(profile, truth.scaled(factor))
+    assert isinstance(result, Fit), result
+    errors = {t: term_error(t, result.coefficients, truth, result.largest_prompt_tokens) for t in TERMS}
+    with capsys.disabled():  # the report the issue asks for: each term, fitted against true
+        print(f"\n{name} start x{factor:.2f}: " + ", ".join(f"{t}={e:.1%}" for t, e in errors.items()))
+    assert all(e <= 0.15 for e in errors.values()), errors
+    assert result.margin >= 1.0
+    assert result.largest_prompt_tokens >= 8192
+
+
+def test_probes_never_exceed_the_headroom_and_say_what_they_skipped() -> None:
+    """The outage lane: its long probes would crash the engine (1,372 MiB idle free); none is sent,
+    and every skip has its reason."""
+    profile = PROFILES["maxq-old"]
+    run, result = calibrate_model(profile, true_coefficients(profile))
+    assert isinstance(result, Fit)
+    sent = max(o.probe.prompt_tokens for o in run.observations)
+    assert true_coefficients(profile).prefill_step([(8192, sent)]) < profile.idle_free_bytes
+    assert run.skipped and all(why for _, why in run.skipped)
+
+
+def test_censored_probes_are_reported_and_a_warm_cache_proposes_nothing() -> None:
+    """An engine whose allocator already cached a long prefill shows no new peak for shorter probes:
+    calibrate says so and proposes nothing."""
+    profile = PROFILES["maxq-bounded"]
+    model = EngineModel(profile, 0)
+    model.submit("warm", 400_000, max_new_tokens=1, now=0.0)
+    while model.in_flight:
+        model.advance(model.next_event_time() or 0.0)
+    lane = ModelLane(model)
+    probes = plan_probes(profile.chunked_prefill_size, profile.context_length, max_prompt_tokens=300_000)
+    run = asyncio.run(run_probes(lane, lane, probes, true_coefficients(profile), Bounds()))
+    result = fit(run)
+    assert isinstance(result, str) and "too few usable probes" in result and "Restart the engine" in result
+    assert all(o.censored for o in run.observations if o.probe.concurrent == 1)
+
+
+def test_a_busy_lane_is_refused() -> None:
+    profile = PROFILES["maxq-bounded"]
+    model = EngineModel(profile, 0)
+    model.submit("someone-else", 200_000, max_new_tokens=64, now=0.0)
+    lane = ModelLane(model)
+    run = asyncio.run(
+        run_probes(lane, lane, plan_probes(8192, 524_288), true_coefficients(profile), Bounds())
+    )
+    assert run.refused is not None and "busy" in run.refused and not run.observations
+    assert model.in_flight == 1  # nothing of ours was sent
+
+
+def test_proposal_is_a_valid_policy_that_states_its_limits() -> None:
+    profile = PROFILES["maxq-bounded"]
+    run, result = calibrate_model(profile, true_coefficients(profile))
+    assert isinstance(result, Fit)
+    text = proposal_text(
+        (ROOT / POLICY["maxq-bounded"]).read_text(), result, run, "sglang-sidecar calibrate ..."
+    )
+    p = load_policy_text(text).policy
+    assert p.cost.calibrated_up_to_prompt_tokens == result.largest_prompt_tokens
+    assert p.cost.batch_join_bytes == pytest.approx(1248 * MiB, rel=0.01)
+    assert p.cost.gather_cap_bytes == pytest.approx(32 * MiB, rel=0.01)
+    assert p.vram.idle_free_bytes == profile.idle_free_bytes
+    assert "Trusted up to" in text and "# Proposed by `sglang-sidecar calibrate" in text
+
+
+async def test_calibrate_command_against_the_emulator_over_http(tmp_path: Path) -> None:
+    """The real command: token-id probes over HTTP, the emulator's GPU file as the source."""
+    profile = PROFILES["h200"]
+    gpu = tmp_path / "gpu.json"
+    out = tmp_path / "proposed.yaml"
+    policy = ROOT / POLICY["h200"]
+    app = build_emulator_app(EngineModel(profile, 0), 50.0, gpu)
+    async with EmulatorServer(app) as emu:
+        argv = [
+            "calibrate",
+            "--upstream",
+            emu.url,
+            "--gpu-source",
+            f"file:{gpu}",
+            "--policy",
+            str(policy),
+            "--out",
+            str(out),
+            "--max-prompt-tokens",
+            "32768",
+            "--json",
+            str(tmp_path / "run.json"),
+        ]
+        rc = await asyncio.to_thread(main, argv)
+    assert rc == 0
+    proposed = load_policy_file(out).policy
+    assert proposed.cost.activation_bytes_per_chunk_token == pytest.approx(96 * 1024, rel=0.01)
+    assert proposed.cost.context_bytes_per_token < 64
+    assert json.loads((tmp_path / "run.json").read_text())["observations"]
+    assert load_policy_file(policy).sha256 == load_policy_file(policy).sha256  # the running policy untouched
+
+
+def test_dry_run_prints_the_plan(capsys: pytest.CaptureFixture) -> None:
+    assert main(["calibrate", "--policy", str(ROOT / POLICY["maxq-old"]), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "alone-8192" in out and "x2-" in out and "total" in out
+
+
+def test_without_upstream_it_says_what_is_missing(capsys: pytest.CaptureFixture) -> None:
+    assert main(["calibrate", "--policy", str(ROOT / POLICY["maxq-old"])]) == 2
+    assert "--upstream" in capsys.readouterr().err
