@@ -139,12 +139,13 @@ class Handle:
         return self._owner._submit(self, demand, on_done)
 
     def prefill_done(self, measured: bool = True) -> None:
-        """First token seen: the prefill's transient is gone, its KV now shows in the engine's gauges.
+        """First token seen: the prefill's transient is gone, its KV now shows in the engine's gauges;
+        the request still runs (its running part stays charged until :meth:`end`).
 
         ``measured``: this first byte marks the prefill's end (a stream), so it times the lane's
         prefill rate; a non-streaming response's first byte is the whole answer and must not.
         """
-        self._owner._release(self, measured)
+        self._owner._prefill_done(self, measured)
 
     def end(self, outcome: Outcome) -> None:
         self._owner._end(self, outcome)
@@ -392,10 +393,8 @@ class Admission:
         if changed:
             self.pump()
 
-    def _release(self, h: Handle, measured: bool = False) -> None:
-        if h._key is not None:
-            self.ledger.release(h._key)
-            h._key = None
+    def _prefill_done(self, h: Handle, measured: bool = False) -> None:
+        if h._key is not None and self.ledger.prefill_done(h._key):
             if measured and h.decision is not None:
                 self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())
             self.pump()

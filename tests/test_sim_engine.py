@@ -65,7 +65,7 @@ def outage(model: EngineModel) -> None:
 
 # ------------------------------------------------------------------------------------ profiles
 def test_profiles_by_name() -> None:
-    assert profile_names() == ["maxq-old", "maxq-bounded", "mamba-lane", "h200"]
+    assert profile_names() == ["maxq-old", "maxq-bounded", "mamba-lane", "h200", "h200-qwen3next"]
     assert get_profile("maxq-old") is MAXQ_OLD
     with pytest.raises(KeyError, match="known: maxq-old"):
         get_profile("nope")

@@ -66,6 +66,31 @@ class VramHeadroom:
         return Check(self.reason.value, need <= r.headroom, need, r.headroom)
 
 
+class BatchJoin:
+    """A request that will run beside others: the allocation the running batch makes when it joins.
+
+    SGLang runs a prefill batch and the decode batch in separate forward passes (no mixed chunk), so
+    the join allocation never coexists with a prefill transient: it is checked against the free memory
+    before the ledger's prefills (``headroom + projected``), the running count is the ledger's
+    (admitted, not ended). Reason: ``vram_headroom``. Absent when the policy has no join term.
+    """
+
+    reason = Reason.VRAM_HEADROOM
+
+    def on_exceed(self, rules: Rules) -> ExceedAction:
+        return rules.vram.on_exceed
+
+    def check(self, demand: Demand, r: Reading) -> Check | None:
+        running = r.ledger.running_requests + 1
+        need = r.rules.cost.join_bytes(running)
+        if not need:
+            return None
+        if r.headroom is None:
+            return Check("batch_join", True, need, None, "no GPU signal")
+        have = r.headroom + r.ledger.projected_bytes
+        return Check("batch_join", need <= have, need, have, f"joining {running - 1} running")
+
+
 class KvPool:
     """The uncached prompts (plus decode reserves) against free (+evictable) slots and the ledger."""
 
@@ -145,4 +170,11 @@ ENGINE_QUEUE = WorkAhead(Reason.ENGINE_QUEUE, lambda r: r.engine_queue, lambda e
 PENDING_PREFILL = WorkAhead(Reason.PENDING_PREFILL_TOKENS, lambda r: r.pending_prefill, lambda e: e.pending_prefill_tokens, lambda t: t.prefill_tokens)
 # fmt: on
 
-CONSTRAINTS: tuple[Constraint, ...] = (VramHeadroom(), KvPool(), MambaSlots(), ENGINE_QUEUE, PENDING_PREFILL)
+CONSTRAINTS: tuple[Constraint, ...] = (
+    VramHeadroom(),
+    BatchJoin(),
+    KvPool(),
+    MambaSlots(),
+    ENGINE_QUEUE,
+    PENDING_PREFILL,
+)

@@ -4,7 +4,8 @@ The projection is per prefill chunk, not per prompt: SGLang prefills ``chunked_p
 a time, so activations scale with ``min(uncached, chunk)``. The last chunk attends over the whole
 request, so two terms grow with the context: temporaries that do on every build, and the full-context
 gather that a bounded-gather build caps (1,024 MiB at 524,288 tokens on the old build, 32 MiB on the
-bounded one). ``max_new_tokens`` never enters the transient.
+bounded one). ``max_new_tokens`` never enters the transient. What a request allocates when it joins the
+running batch is not a prefill term: ``CostModel.join_bytes`` (checked by ``constraints.BatchJoin``).
 
 To add a term: write a function of ``(CostModel, Shape) -> bytes`` below, add it to ``TERMS``, add its
 coefficient to ``CostModel`` (``core/rules.py``), to the policy's ``cost`` section (``policy.py``) and to
@@ -52,8 +53,14 @@ def gather(c: CostModel, s: Shape) -> float:
     return g if c.gather_cap_bytes is None else min(g, c.gather_cap_bytes)
 
 
+def chunk_context(c: CostModel, s: Shape) -> float:
+    """A buffer of one row per chunk token and one column per context token (a sparse-attention
+    indexer's scores): the product, which a per-prompt-length projection cannot describe."""
+    return c.chunk_context_bytes * s.chunk_tokens * s.prompt_tokens
+
+
 Term = Callable[[CostModel, Shape], float]
-TERMS: tuple[Term, ...] = (fixed, activations, context_temporaries, gather)
+TERMS: tuple[Term, ...] = (fixed, activations, context_temporaries, chunk_context, gather)
 
 
 def shape(prompt_tokens: int, uncached_tokens: int, chunk: int, sequences: int = 1) -> Shape:

@@ -1,14 +1,17 @@
-"""Requests the sidecar has forwarded whose prefill has not finished.
+"""What the sidecar has admitted and the engine still holds because of it, in two parts.
 
 The engine's gauges lag (they are written at batch boundaries); the ledger does not. A request is
-charged at the instant it is admitted and released at its first streamed byte (prefill done), at the
-end of its response, or on any failure. Totals are kept incrementally so the decision reads them in
-O(1); release is idempotent so no path can release twice or leak.
+charged at the instant it is admitted. Its *prefill* part (prefill tokens, KV tokens, the projected
+transient, Mamba slots) is released at its first streamed byte (prefill done), and its *running* part
+(the request in the running batch, and the Mamba slots it keeps until it ends) at the end of its
+response, or on any failure: each term is charged for as long as it is really held. Totals are kept
+incrementally so the decision reads them in O(1); every release is idempotent so no path can release
+twice or leak.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import count
 
 from sidecar.core.decision import Charge
@@ -23,11 +26,21 @@ class LedgerTotals:
     kv_tokens: int = 0
     projected_bytes: int = 0
     mamba_slots: int = 0
+    # Admitted and not ended (prefilling or decoding): the running batch a newcomer would join.
+    running_requests: int = 0
+    # Mamba slots those requests keep until they end (working state and prefill checkpoints).
+    running_mamba_slots: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    charge: Charge
+    prefilling: bool = True
 
 
 class Ledger:
     def __init__(self) -> None:
-        self._entries: dict[int, Charge] = {}
+        self._entries: dict[int, _Entry] = {}
         self._ids = count(1)
         self._totals = LedgerTotals()
 
@@ -40,25 +53,45 @@ class Ledger:
 
     def charge(self, charge: Charge) -> int:
         key = next(self._ids)
-        self._entries[key] = charge
-        self._totals = _add(self._totals, charge, 1)
+        self._entries[key] = _Entry(charge)
+        self._totals = _running(_prefill(self._totals, charge, 1), charge, 1)
         return key
 
-    def release(self, key: int) -> bool:
-        """Remove an entry; False when it was already released (harmless, by design)."""
-        charge = self._entries.pop(key, None)
-        if charge is None:
+    def prefill_done(self, key: int) -> bool:
+        """Release the prefill part; the running part stays until :meth:`release`. False when there
+        was no prefill part left (harmless, by design)."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.prefilling:
             return False
-        self._totals = _add(self._totals, charge, -1)
+        self._entries[key] = replace(entry, prefilling=False)
+        self._totals = _prefill(self._totals, entry.charge, -1)
+        return True
+
+    def release(self, key: int) -> bool:
+        """Remove what is left of an entry; False when it was already released."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        totals = _prefill(self._totals, entry.charge, -1) if entry.prefilling else self._totals
+        self._totals = _running(totals, entry.charge, -1)
         return True
 
 
-def _add(t: LedgerTotals, c: Charge, sign: int) -> LedgerTotals:
-    return LedgerTotals(
+def _prefill(t: LedgerTotals, c: Charge, sign: int) -> LedgerTotals:
+    return replace(
+        t,
         requests=t.requests + sign,
         sequences=t.sequences + sign * c.sequences,
         prefill_tokens=t.prefill_tokens + sign * c.prefill_tokens,
         kv_tokens=t.kv_tokens + sign * c.kv_tokens,
         projected_bytes=t.projected_bytes + sign * c.projected_bytes,
         mamba_slots=t.mamba_slots + sign * c.mamba_slots,
+    )
+
+
+def _running(t: LedgerTotals, c: Charge, sign: int) -> LedgerTotals:
+    return replace(
+        t,
+        running_requests=t.running_requests + sign,
+        running_mamba_slots=t.running_mamba_slots + sign * c.mamba_slots,
     )

@@ -55,6 +55,19 @@ class CostModel:
     gather_bytes_per_context_token: int
     gather_cap_bytes: int | None
     margin: float
+    # Bytes per chunk token per context token ([chunk_rows, context] buffers, indexer-style).
+    chunk_context_bytes: float = 0.0
+    # Allocated when a request joins the running batch, as a function of that batch (not a prefill
+    # term: ``constraints.BatchJoin`` checks it while requests run). None: never measured (0).
+    batch_join_bytes: int | None = None
+    batch_join_bytes_per_running_request: int = 0
+
+    def join_bytes(self, running: int) -> int:
+        """What the running batch allocates when it grows to ``running`` requests, margin included."""
+        if running < 2 or not (self.batch_join_bytes or self.batch_join_bytes_per_running_request):
+            return 0
+        raw = (self.batch_join_bytes or 0) + self.batch_join_bytes_per_running_request * running
+        return int(raw * self.margin)
 
 
 @dataclass(frozen=True, slots=True)

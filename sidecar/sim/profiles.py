@@ -470,7 +470,7 @@ _H200_QN_GRAPHS = 860 * MiB  # assumed, calibrate: as the idle-dense fixture's d
 _H200_QN_MAMBA_SLOTS = 64  # assumed, calibrate: SGLang sizes the state pool with the card
 _H200_QN_START = _H200_TOTAL - _H200_RESERVED - _H200_CONTEXT  # memory SGLang sees at start
 # Derived: SGLang leaves (1 - 0.98) of its start memory outside the static pools; the graphs take
-# their share of it, the rest is what NVML shows free with the engine idle (~1,993 MiB).
+# their share of it, the rest is what NVML shows free with the engine idle (~1,993 MiB, evidence D12).
 _H200_QN_IDLE_FREE = int(_H200_QN_START * 0.02) - _H200_QN_GRAPHS
 # Assumed: FP8 weights (Hopper has no NVFP4 kernels) of an 80B model, ~77,700 MiB with the BF16 parts.
 _H200_QN_WEIGHTS = 77_700 * MiB
@@ -489,7 +489,7 @@ H200_QWEN3NEXT = LaneProfile(
     device_total_bytes=_H200_TOTAL,
     device_reserved_bytes=_H200_RESERVED,
     other_process_bytes=0,  # assumed: the engine is alone on the card
-    mem_fraction_static=0.98,  # the outage lane's launch flag (brief section 1)
+    mem_fraction_static=0.98,  # the outage lane's launch flag (evidence I2)
     weights_bytes=_residual_weights(
         total=_H200_TOTAL,
         reserved=_H200_RESERVED,
@@ -515,7 +515,7 @@ H200_QWEN3NEXT = LaneProfile(
     prefill_tokens_per_s=2 * _MAXQ_PREFILL_TPS,
     prefill_half_speed_context=_MAXQ_PREFILL_HALF,
     decode_tokens_per_s=2 * _MAXQ_DECODE_TPS,
-    # Assumed: the same model family and build as maxq-bounded, so the same transients (brief section 1).
+    # Assumed: the same model family and build as maxq-bounded, so its transients (evidence D1, D2, M3).
     activation_bytes_per_token=_ACTIVATION_PER_TOKEN,
     context_bytes_per_token=_CONTEXT_PER_TOKEN,
     gather_bytes_per_token=_GATHER_PER_TOKEN,
