@@ -114,9 +114,10 @@ class GpuMeter:
         return (await self._read())[0]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction, formatter: type = argparse.HelpFormatter) -> None:  # type: ignore[type-arg]
     c = sub.add_parser(
         "calibrate",
+        formatter_class=formatter,
         help="qualify an idle lane: probe it, fit the cost model, write a proposed policy",
         description="Send probe requests of increasing length to an IDLE engine, read the GPU source "
         "before/during/after each, fit the policy's cost terms as an upper envelope and write a proposed "

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from sidecar.calibrate_io import add_parser as add_calibrate
 
-    add_calibrate(sub)
+    add_calibrate(sub, DefaultsShown)
 
     r = sub.add_parser(
         "replay",
