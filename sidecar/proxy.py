@@ -166,6 +166,17 @@ class Proxy:
     async def _admit_and_forward(
         self, scope: Scope, body: bytes, send: Send, handle: Handle, route: Route | None, sent_id: str | None
     ) -> None:
+        admitted = await self._decide(scope, body, send, handle, route, sent_id)
+        if admitted is not None:
+            # The parsed request (18 MB of Python objects for 500K input_ids), its count and demand
+            # died with _decide's frame: only the raw bytes live on for the minutes a stream takes.
+            extra, forward = admitted
+            await self._forward(scope, body, send, handle, extra, **forward)
+
+    async def _decide(
+        self, scope: Scope, body: bytes, send: Send, handle: Handle, route: Route | None, sent_id: str | None
+    ) -> tuple[list[tuple[bytes, bytes]], dict[str, Any]] | None:
+        """Parse, count, decide: the admit headers and _forward's options, or None once answered here."""
         a = self.admission
         parse = functools.partial(
             parse_generation,
@@ -185,7 +196,7 @@ class Proxy:
             handle.end(Outcome.BAD_REQUEST)
             rid = sent_id or new_request_id()
             await send_response(send, json_response(e.status, e.error_body(), [_id_header(rid)]))
-            return
+            return None
         # Kept if the client (or a router) sent one; else SGLang's own `rid`; else a fresh one.
         rid = sent_id or req.rid or new_request_id()
         count = await self.counter.count(req, admits=self._admits_now(req))
@@ -194,7 +205,7 @@ class Proxy:
             assert handle.decision is not None
             answer = rejection_response(handle.decision, demand, handle.waited_s, a.policy.answers)
             await send_response(send, answer)
-            return
+            return None
         extra = [
             _id_header(rid),
             (b"x-admission-decision", b"admit"),
@@ -204,9 +215,7 @@ class Proxy:
             d = handle.shadow_reject
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
             extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
-        await self._forward(
-            scope, body, send, handle, extra, request_id=None if sent_id else rid, measured=req.stream
-        )
+        return extra, {"request_id": None if sent_id else rid, "measured": req.stream}
 
     def _admits_now(self, req: GenerationRequest) -> Callable[[TokenCount], bool]:
         """Would ``req`` be admitted now at this count? The counter tokenizes only when the answer is no."""
@@ -440,21 +449,30 @@ def _id_header(rid: str) -> tuple[bytes, bytes]:
     return (b"x-request-id", rid.encode("latin-1"))
 
 
+_DECODED = "sidecar.decoded_headers"
+
+
+def _decoded(scope: Scope) -> list[tuple[bytes, str, str]]:
+    """The request's headers decoded once per request (the parser and the forwarder both read them).
+
+    Values as UTF-8: aiohttp writes header strings as UTF-8, so this relays the client's bytes
+    unchanged (latin-1 turned `café` into `cafÃ©`); `_header_problem` has refused non-UTF-8 values.
+    """
+    decoded = scope.get(_DECODED)
+    if decoded is None:
+        decoded = scope[_DECODED] = [(k, k.decode("latin-1"), v.decode("utf-8")) for k, v in scope["headers"]]
+    return decoded
+
+
 def _headers_dict(scope: Scope) -> dict[str, str]:
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    return {k: v for _, k, v in _decoded(scope)}
 
 
 def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[str]:
     """End-to-end headers only. ``keep_length``: a relayed body keeps the client's Content-Length."""
     named = _connection_named(scope["headers"])
     drop = _DROP_REQUEST - {b"content-length"} if keep_length else _DROP_REQUEST
-    # aiohttp writes header strings as UTF-8: decoding them as UTF-8 (checked by `_header_problem`)
-    # relays the client's bytes unchanged; latin-1 turned `café` into `cafÃ©` on the way.
-    return CIMultiDict(
-        (k.decode("latin-1"), v.decode("utf-8"))
-        for k, v in scope["headers"]
-        if k not in drop and k not in named
-    )
+    return CIMultiDict((k, v) for raw, k, v in _decoded(scope) if raw not in drop and raw not in named)
 
 
 def _header_problem(scope: Scope) -> Response | None:

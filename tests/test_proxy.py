@@ -261,3 +261,25 @@ async def test_a_huge_prompt_is_parsed_off_the_loop_and_an_estimate_never_holds_
         r = await client.post(url + "/generate", json={"text": "word " * 1_000_000, "stream": False})
         assert r.status_code == 200 and len(engine.arrived) == 1
         assert app.admission.ledger.totals.requests == 0
+
+
+async def test_the_parsed_request_is_dropped_once_the_stream_is_forwarded(tmp_path: Path) -> None:
+    """A 500K-id body parses into ~18 MB of Python objects; while the engine streams (for minutes),
+    only the raw bytes may stay alive, not the parsed request."""
+    import gc
+
+    from sidecar.requests import GenerationRequest
+
+    engine = FakeEngine(events=2)
+    async with (
+        lane(tmp_path, engine) as (url, _app, _),
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream("POST", url + "/generate", json={"input_ids": list(range(1000)), "stream": True}) as r,
+    ):
+        chunks = r.aiter_bytes()
+        assert b'"i": 0' in await anext(chunks)  # the stream is open, the second event not sent yet
+        gc.collect()
+        assert [o for o in gc.get_objects() if isinstance(o, GenerationRequest)] == []
+        engine.release.set()
+        rest = b"".join([c async for c in chunks])
+    assert b"[DONE]" in rest
