@@ -7,7 +7,8 @@ the shipped files), so the whole test takes well under a minute.
 
 The scenario: a few quick requests; then a long prefill that fills the engine queue (the gate closes),
 two requests held behind it that time out, one more that finds the hold queue full; a policy upload
-that is refused; then the engine stops (both signals go stale: its /metrics fails, and the GPU file it
+that is refused; one whose reserve is larger than the card (headroom below the reserve); then the
+engine stops (both signals go stale: its /metrics fails, and the GPU file it
 wrote is no longer refreshed); then the sidecar stops.
 """
 
@@ -59,6 +60,7 @@ FIRE = {
     "SidecarRejectRatioHigh",
     "SidecarHoldTimeouts",
     "SidecarPolicyReloadFailing",
+    "SidecarHeadroomBelowReserve",
     "SidecarSignalStale",
     "SidecarDown",
 }
@@ -236,7 +238,9 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
             )
             assert refused.status_code == 422
 
-            await wait_firing(c, prom, FIRE - {"SidecarSignalStale", "SidecarDown"})
+            await wait_firing(
+                c, prom, FIRE - {"SidecarHeadroomBelowReserve", "SidecarSignalStale", "SidecarDown"}
+            )
             assert (await long).status_code == 200
 
             # Every metric the dashboard reads is one the sidecar exports.
@@ -254,6 +258,14 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
                 )
                 assert data["result"], f"panel {title!r}: no data for {concrete(expr)}"
 
+            # A policy whose reserve is more than the card has: headroom goes below it.
+            grown = POLICY.replace("reserve_bytes: 256MiB", "reserve_bytes: 4096GiB")
+            r = await c.post(
+                url + "/admission/policy", content=grown, headers={"authorization": f"Bearer {TOKEN}"}
+            )
+            assert r.status_code == 200, r.text
+            await wait_firing(c, prom, {"SidecarHeadroomBelowReserve"})
+
             # Stop the engine: its scrape fails and the GPU file it wrote goes stale.
             await emulator.stop()
             await wait_firing(c, prom, {"SidecarSignalStale"})
@@ -263,7 +275,7 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
 
             rules = await api(c, prom, "rules")
             alerting = [r for g in rules["groups"] for r in g["rules"] if r["type"] == "alerting"]
-            assert {r["name"] for r in alerting} == FIRE | QUIET | {"SidecarHeadroomBelowReserve"}
+            assert {r["name"] for r in alerting} == FIRE | QUIET
             for r in alerting:
                 # Prometheus evaluated every rule without an error ...
                 assert r["health"] == "ok", (r["name"], r.get("lastError"))
