@@ -123,8 +123,9 @@ async def test_retry_after_counts_the_work_ahead(tmp_path: Path) -> None:
         await eventually(lambda: len(engine.arrived) == 4 and app.admission.held == 2)
         r = await client.post(url + "/generate", json=gen(rid="late"))
         assert r.status_code == 503 and r.headers["x-admission-reason"] == "queue_full"
-        # 4,000 forwarded + 2,000 held, at the policy's 1,000 tokens/s (nothing measured yet): 6 s.
-        assert r.headers["retry-after"] == "6" and r.headers["x-should-retry"] == "true"
+        # 4,000 forwarded + 2,000 held + its own 1,000, at the policy's 1,000 tokens/s (nothing
+        # measured yet): 7 s.
+        assert r.headers["retry-after"] == "7" and r.headers["x-should-retry"] == "true"
         engine.gate_headers.set()
         engine.release.set()
         await asyncio.gather(*tasks)
