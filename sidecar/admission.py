@@ -216,8 +216,11 @@ class Admission:
         now = self.clock.now()
         return max((now - h.demand.arrived_at for h in self._queue.heap if h.held and h.demand), default=None)
 
-    def situation(self, *, queued: bool = False, ahead: Reason | None = None) -> Situation:
-        """What the decision reads now, besides the request."""
+    def situation(
+        self, *, queued: bool = False, ahead: Reason | None = None, own_tokens: int = 0
+    ) -> Situation:
+        """What the decision reads now, besides the request (``own_tokens``: a held request's own,
+        left out of the held total, which the decision counts once as the request's)."""
         return Situation(
             self.rules,
             self.snapshot,
@@ -227,7 +230,7 @@ class Admission:
             queued=queued,
             ahead=ahead,
             draining=self.draining,
-            held_tokens=self._queue.tokens,
+            held_tokens=self._queue.tokens - own_tokens,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
         )
 
@@ -288,10 +291,11 @@ class Admission:
             raise RuntimeError("a handle submits once, before it ends")
         h.demand = demand
         h.sort_key = self._sort_key(demand)
+        h.waited_s = self._waited(h)
         d = decide(demand, self.situation(ahead=self._ahead_of(h.sort_key)))
         if self.shadow and d.action is not Action.ADMIT:
             # Shadow mode: record what enforcement would have done, then forward anyway.
-            self.observer.decision(d, demand, 0.0, self.ledger.totals)
+            self.observer.decision(d, demand, h.waited_s, self.ledger.totals)
             h.shadow_reject = d
             d = Decision(Action.ADMIT, None, None, d.headroom_bytes, d.checks, d.charge)
         if d.action is Action.ADMIT:
@@ -299,7 +303,7 @@ class Admission:
         elif d.action is Action.REJECT:
             self._reject(h, d)
         else:
-            self.observer.decision(d, demand, 0.0, self.ledger.totals)
+            self.observer.decision(d, demand, h.waited_s, self.ledger.totals)
             h.decision, h._held, h._on_done = d, True, on_done
             self._queue.push(h)
             self._arm(h)
@@ -313,7 +317,9 @@ class Admission:
             if not h.held:
                 continue  # left during this pass (a callback ended it)
             assert h.demand is not None
-            d = decide(h.demand, self.situation(queued=True, ahead=ahead))
+            d = decide(
+                h.demand, self.situation(queued=True, ahead=ahead, own_tokens=h.demand.uncached_tokens)
+            )
             h.decision = d
             if d.action is Action.HOLD:
                 ahead = ahead or d.reason
@@ -366,7 +372,7 @@ class Admission:
 
     def _admit(self, h: Handle, d: Decision) -> None:
         assert h.demand is not None
-        h.decision, h.waited_s = d, self._waited(h) if h.shadow_reject is None else 0.0
+        h.decision, h.waited_s = d, self._waited(h)
         if not len(self.ledger):
             self.prefill_rate.busy(self.clock.now())
         h._key = self.ledger.charge(d.charge)
