@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # promtool, prometheus, systemd-analyze for the deployment tests (scripts/tools.sh says how)
 TOOLS := .tools/bin/.installed
 
-.PHONY: demo test lint venv tools clean bench-overhead bench-admission mutation
+.PHONY: demo test lint venv tools clean bench-overhead bench-admission mutation soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,3 +52,7 @@ clean:
 # Admission quality against peers' rules and an oracle (bench/admission.py); ARGS="--quick" for < 3 min.
 bench-admission: $(STAMP)
 	$(BIN)/python bench/admission.py $(ARGS)
+
+# 300 clients through the sidecar against the emulator for 10 minutes (tests/test_soak.py runs 60 s).
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --duration-s $${SOAK_S:-600}

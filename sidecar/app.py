@@ -23,15 +23,16 @@ from prometheus_client import CollectorRegistry
 from sidecar.access import AccessLog
 from sidecar.admin import ADMIN_PATHS, build_admin
 from sidecar.admission import Admission
-from sidecar.asgi import Receive, Scope, Send
+from sidecar.asgi import Message, Receive, Scope, Send
 from sidecar.clock import LoopClock
 from sidecar.core import demand
 from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
 from sidecar.observe import StateCollector, Telemetry, register_process_metrics
 from sidecar.policy import LoadedPolicy, PolicyError
 from sidecar.policy_source import PolicySource
-from sidecar.proxy import Proxy, make_session
-from sidecar.responses import Response, error_response, send_response
+from sidecar.proxy import ClientGone, Proxy, make_session, read_body
+from sidecar.requests import BadRequest
+from sidecar.responses import Response, error_response, json_response, send_response
 from sidecar.routes import RouteTable, normalize_path
 from sidecar.signals.engine import EngineScraper, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
@@ -116,6 +117,11 @@ class SidecarApp:
         if route is not None:
             await self.proxy(scope, receive, send, gated=True, route=route)
         elif path in ADMIN_PATHS:
+            if scope["method"] in ("POST", "PUT"):
+                bounded = await _bounded_admin_body(scope, receive, send)
+                if bounded is None:
+                    return
+                receive = bounded
             await self.admin(scope, receive, send)
         elif normalize_path(path) in self.routes.refused:
             await send_response(send, _refused(path))
@@ -339,6 +345,38 @@ class SidecarApp:
             self.scraper.max_metrics_bytes = loaded.policy.engine.max_metrics_bytes
         if self.gpu_poller is not None:
             self.gpu_poller.interval_s = loaded.policy.gpu.poll_interval_s
+
+
+# explain and policy uploads are small: a generation body to explain is a question, not a prompt to
+# forward (the bare {"prompt_tokens": N} form asks about any size), and a policy is a page of YAML.
+ADMIN_MAX_BODY_BYTES = 1024 * 1024
+
+
+async def _bounded_admin_body(scope: Scope, receive: Receive, send: Send) -> Receive | None:
+    """Read an admin POST body up to ``ADMIN_MAX_BODY_BYTES`` (413 past it, nothing buffered beyond),
+    then hand it to the admin app as one message; None when the request was answered or the client left."""
+    try:
+        body = await read_body(
+            scope,
+            receive,
+            ADMIN_MAX_BODY_BYTES,
+            source='the admin endpoints\' limit; explain any size with {"prompt_tokens": N}',
+        )
+    except BadRequest as e:
+        await send_response(send, json_response(e.status, e.error_body()))
+        return None
+    except ClientGone:
+        return None
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _not_a_path(scope: Scope) -> Response:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from sidecar import __version__
 from sidecar.policy import PolicyError, load_policy_file
+from sidecar.serving import ServingLimits, uvicorn_options
 
 EXIT_USAGE = 2
 
@@ -284,11 +285,24 @@ def _serve_with(settings: Any) -> int:
             }
         },
     )
-    return run_uvicorn(app, settings.host, settings.port, settings.log_level, settings.drain_timeout_s)
+    return run_uvicorn(
+        app,
+        settings.host,
+        settings.port,
+        settings.log_level,
+        settings.drain_timeout_s,
+        limits=settings.serving_limits(),
+    )
 
 
 def run_uvicorn(
-    app: object, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0
+    app: object,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    drain_timeout_s: float = 30.0,
+    *,
+    limits: ServingLimits | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain: keep listening (``/readyz`` 503 ``draining``, new gated
     requests 503 ``draining``) while in-flight requests finish, up to ``drain_timeout_s``; only then
@@ -306,7 +320,8 @@ def run_uvicorn(
         access_log=False,
         # The drain already waited for in-flight requests; this is only the listener's last word.
         timeout_graceful_shutdown=2,
-        timeout_keep_alive=5,
+        # Header deadline, header size, body gap, connection cap: sidecar/serving.py.
+        **uvicorn_options(limits or ServingLimits()),
     )
 
     class DrainingServer(uvicorn.Server):

@@ -126,7 +126,7 @@ class Proxy:
         sent_id = _client_request_id(scope)
         try:
             try:
-                body = await _read_body(scope, receive, self.admission.policy.limits.max_body_bytes)
+                body = await read_body(scope, receive, self.admission.policy.limits.max_body_bytes)
             except BadRequest as e:
                 handle.end(Outcome.BAD_REQUEST)
                 rid = sent_id or new_request_id()
@@ -336,10 +336,13 @@ def _upstream_error(e: BaseException, upstream: str) -> tuple[int, list, bytes]:
     return error_response(502, f"engine at {upstream} failed: {type(e).__name__}: {e}", "upstream_error")
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limit: int, source: str | None = None) -> bytes:
+    """The whole body, refused (413) by its Content-Length or as soon as the bytes read pass ``limit``:
+    never buffered beyond it. ``source`` names the limit in the message."""
+    where = {"source": source} if source else {}
     for k, v in scope["headers"]:
         if k == b"content-length" and v.isdigit() and int(v) > limit:
-            raise BadRequest.body_too_large(int(v), limit)
+            raise BadRequest.body_too_large(int(v), limit, **where)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -349,7 +352,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise BadRequest.body_too_large(size, limit, at_least=True)
+            raise BadRequest.body_too_large(size, limit, at_least=True, **where)
         chunks.append(chunk)
         if not msg.get("more_body", False):
             return b"".join(chunks)

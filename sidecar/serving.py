@@ -1,7 +1,21 @@
-"""Run an ASGI app under uvicorn on a loopback port inside the current event loop.
+"""Serving: uvicorn with the connection limits the sidecar needs, and a loopback runner for tests.
 
-Used where several servers share one process: the demo (emulator + sidecar) and the tests (real
-sockets, because ASGI test transports buffer streams and hide disconnects).
+Why a protocol of our own: uvicorn's httptools protocol has no header-size limit and no header or
+body timeout, and arms its keep-alive timer only after a response. Probing found connections that
+send nothing, or half a request line, open for ever; a stalled body never timed out; a 64 MiB header
+forwarded to the engine. ``GuardedHttpToolsProtocol`` adds, per connection (``ServingLimits``):
+
+* header deadline: the request line and headers must arrive within ``header_timeout_s`` of the
+  connection opening or of the previous response ending; a connection that sent nothing is closed,
+  one that sent part of a request gets ``408 Request Timeout`` (RFC 9110 §15.5.9) and is closed;
+* header size: more than ``max_header_bytes`` before the headers end is ``431 Request Header Fields
+  Too Large`` (RFC 6585 §5), answered as soon as the limit is passed, nothing buffered beyond it;
+* body gap: once a request's headers are in, no more than ``body_timeout_s`` between body bytes
+  (408 if the response has not started, else the connection is closed);
+
+and uvicorn's ``limit_concurrency`` caps connections (503 beyond it). ``run_loopback`` / ``serve_app``
+runs an app inside the current event loop (the demo and the tests use real sockets, because ASGI test
+transports buffer streams and hide disconnects).
 """
 
 from __future__ import annotations
@@ -9,14 +23,154 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLimits:
+    """Per-connection limits of the data port (documented in the README and SECURITY.md)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_header_bytes: int = 64 * 1024
+    # Connections (and in-flight requests) before new ones get 503; keep it below the fd limit.
+    max_client_connections: int = 2048
+    keep_alive_s: int = 5
+
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a header deadline, a header size limit and a body gap limit."""
+
+    limits: ClassVar[ServingLimits] = ServingLimits()
+    LINGER_S: ClassVar[float] = 1.0
+    _discarding = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._in_headers = True
+        self._header_bytes = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._header_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._body_timer = None
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._header_deadline)
+
+    def _header_deadline(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or not self._in_headers or self._discarding:
+            return
+        if self._header_bytes:
+            self._refuse(408, "the request line and headers did not arrive in time")
+        else:
+            self.transport.close()  # idle: nothing to answer
+
+    def _arm_body_gap(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+        self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_gap)
+
+    def _body_gap(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self._discarding:
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            self._refuse(408, "the request body stalled")
+        else:
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` and close. The client may still be sending (a huge header): what it sends
+        is discarded for up to ``LINGER_S`` first, since closing a socket with unread input resets the
+        connection and the client would never read the answer."""
+        body = message.encode()
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body)
+        )
+        self._cancel_timers()
+        self._discarding = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(self.LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
+        if self._in_headers:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        over = self._in_headers and self._header_bytes > self.limits.max_header_bytes
+        if over and not self.transport.is_closing() and not self._discarding:
+            self._refuse(431, f"request headers over {self.limits.max_header_bytes:,} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+        self._arm_header_deadline()
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._header_bytes = 0
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().on_headers_complete()
+        self._arm_body_gap()
+
+    def on_body(self, body: bytes) -> None:
+        self._arm_body_gap()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+
+
+def guarded_protocol(limits: ServingLimits) -> type[GuardedHttpToolsProtocol]:
+    """A protocol class bound to ``limits`` (uvicorn takes a class, not an instance)."""
+    return type("GuardedHttpTools", (GuardedHttpToolsProtocol,), {"limits": limits})
+
+
+def uvicorn_options(limits: ServingLimits) -> dict[str, Any]:
+    """The uvicorn.Config arguments that apply ``limits``."""
+    return {
+        "http": guarded_protocol(limits),
+        "limit_concurrency": limits.max_client_connections,
+        "timeout_keep_alive": limits.keep_alive_s,
+    }
 
 
 @asynccontextmanager
 async def serve_app(
-    app: Any, host: str = "127.0.0.1", port: int = 0, *, lifespan: str = "on"
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    lifespan: str = "on",
+    limits: ServingLimits | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app``; yield its base URL. Port 0 lets the OS pick a free one. Start-up errors raise."""
     config = uvicorn.Config(
@@ -28,6 +182,7 @@ async def serve_app(
         access_log=False,
         log_config=None,  # lines go through the process's logging, not uvicorn's own handlers
         timeout_graceful_shutdown=2,
+        **(uvicorn_options(limits) if limits is not None else {}),
     )
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from sidecar.serving import ServingLimits
+
 
 class Mode(StrEnum):
     ENFORCE = "enforce"
@@ -85,6 +87,35 @@ class Settings(BaseSettings):
         help="honour a client's emulator.prompt_tokens size declaration: only for load generation "
         "against the emulator, never in front of a real engine",
     )
+
+    # The data port's per-connection limits (sidecar/serving.py says why each exists).
+    header_timeout_s: float = _opt(
+        10.0,
+        gt=0,
+        help="time a client gets to send its request line and headers (408, or closed if it sent nothing)",
+        metavar="S",
+    )
+    body_timeout_s: float = _opt(
+        30.0, gt=0, help="longest gap between a request body's bytes (408 if no response yet)", metavar="S"
+    )
+    max_header_bytes: int = _opt(
+        64 * 1024, ge=1024, help="request line and headers larger than this get 431", metavar="BYTES"
+    )
+    max_client_connections: int = _opt(
+        2048,
+        ge=1,
+        help="open client connections (and in-flight requests) before new ones get 503; keep it below "
+        "the process's file-descriptor limit",
+        metavar="N",
+    )
+
+    def serving_limits(self) -> ServingLimits:
+        return ServingLimits(
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            max_header_bytes=self.max_header_bytes,
+            max_client_connections=self.max_client_connections,
+        )
 
     @field_validator("upstream")
     @classmethod

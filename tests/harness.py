@@ -11,16 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.app import SidecarApp
-from sidecar.serving import serve_app
+from sidecar.serving import ServingLimits, serve_app
 from sidecar.signals.gpu import parse_gpu_source
 from tests.conftest import MIB, small_policy
 
 Scope = dict[str, Any]
 
 
-def serve(app: Any, *, lifespan: str = "on") -> Any:
+def serve(app: Any, *, lifespan: str = "on", limits: ServingLimits | None = None) -> Any:
     """Run ``app`` under uvicorn on a free loopback port in this event loop; yield its base URL."""
-    return serve_app(app, lifespan=lifespan)
+    return serve_app(app, lifespan=lifespan, limits=limits)
 
 
 async def eventually(
@@ -71,6 +71,7 @@ async def lane(
     free_mib: int = 1024,
     upstream: str | None = None,
     app_kwargs: dict[str, Any] | None = None,
+    limits: ServingLimits | None = None,
     **overrides: object,
 ) -> AsyncIterator[tuple[str, SidecarApp, Path]]:
     """A fake engine and a real sidecar in front of it (GPU from a file), both on loopback."""
@@ -86,7 +87,8 @@ async def lane(
             # passes trust_emulator_sizes=False.
             **({"trust_emulator_sizes": True} | (app_kwargs or {})),
         )
-        async with serve(app) as url:
+        # The sidecar is served with the data port's connection limits, as `serve` runs it.
+        async with serve(app, limits=limits or ServingLimits()) as url:
             if upstream is None:
                 await eventually(lambda: app.admission.snapshot.engine is not None)
             yield url, app, gpu_file

@@ -7,6 +7,7 @@ outcome and that the ledger is back to zero.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
@@ -20,6 +21,7 @@ from fastapi.responses import PlainTextResponse
 from sidecar.admission import Outcome
 from sidecar.app import SidecarApp
 from sidecar.routes import LATEST, NOT_PREFILL, PREFILL_ROUTES, REFUSED_PATHS, Route, normalize_path
+from sidecar.serving import ServingLimits
 from tests.harness import METRICS_TEMPLATE, FakeEngine, eventually, gen, lane, serve
 
 FIXTURES = Path(__file__).parent / "fixtures" / "routes"
@@ -580,8 +582,6 @@ class HeaderBytesEngine(FakeEngine):
 
 
 async def raw_request(url: str, request: bytes) -> bytes:
-    import asyncio
-
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
@@ -617,3 +617,110 @@ async def test_options_star_and_header_bytes(tmp_path: Path) -> None:
         )
         assert r.startswith(b"HTTP/1.1 400"), r[:300]
         await settled(app, 1)
+
+
+# --- 6, 7. idle and slow connections, oversized input -----------------------------------------
+
+SHORT = ServingLimits(
+    header_timeout_s=0.5, body_timeout_s=0.5, max_header_bytes=16 * 1024, max_client_connections=50
+)
+
+
+async def _open(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def _answer(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes (bounded: a server that never closes fails)."""
+    return await asyncio.wait_for(reader.read(), 10)
+
+
+async def test_idle_and_slowloris_connections_are_closed(tmp_path: Path) -> None:
+    async with lane(tmp_path, FakeEngine(), limits=SHORT) as (url, app, _):
+        idle = [await _open(url) for _ in range(20)]
+        slow = [await _open(url) for _ in range(20)]
+        for _, w in slow:
+            w.write(b"POST /gener")
+            await w.drain()
+        for r, _ in idle:
+            assert await _answer(r) == b""  # closed, nothing to say
+        for r, _ in slow:
+            assert (await _answer(r)).startswith(b"HTTP/1.1 408")
+        for _, w in idle + slow:
+            w.close()
+        # the port still serves
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert (await client.get(url + "/healthz")).status_code == 200
+        await settled(app, 0)
+
+
+async def test_stalled_body_is_408_and_one_outcome(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    async with lane(tmp_path, engine, limits=SHORT) as (url, app, _):
+        r, w = await _open(url)
+        w.write(
+            b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"te'
+        )
+        await w.drain()
+        assert (await _answer(r)).startswith(b"HTTP/1.1 408")
+        w.close()
+        await settled(app, 1)
+        assert outcomes(app) == {"client_gone": 1}
+        assert engine.arrived == []
+
+
+async def test_oversized_headers_are_431_and_never_forwarded(tmp_path: Path) -> None:
+    engine = HeaderBytesEngine()
+    async with lane(tmp_path, engine, limits=SHORT) as (url, app, _):
+        r, w = await _open(url)
+        w.write(b"GET /raw HTTP/1.1\r\nHost: x\r\nX-Name: ")
+        try:
+            for _ in range(64):  # up to 1 MiB; the server answers long before
+                w.write(b"a" * 16384)
+                await w.drain()
+        except ConnectionError:
+            pass
+        assert (await _answer(r)).startswith(b"HTTP/1.1 431")
+        w.close()
+        assert engine.arrived == []
+        await settled(app, 0)
+
+
+async def test_explain_has_a_small_body_limit_and_stops_reading_at_it(tmp_path: Path) -> None:
+    from sidecar.app import ADMIN_MAX_BODY_BYTES
+
+    async with lane(tmp_path, FakeEngine(), limits=SHORT) as (url, _, _):
+        # declared too large: refused before a byte of body is read
+        r, w = await _open(url)
+        w.write(
+            b"POST /admission/explain HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 314572800\r\n\r\n"
+        )
+        await w.drain()
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 413")
+        w.close()
+
+        # chunked, no length: refused as soon as the limit is passed (the client still had more)
+        async def chunks():  # type: ignore[no-untyped-def]
+            for _ in range(300):  # 300 MiB if it were all read
+                yield b"x" * (1024 * 1024)
+
+        async with httpx.AsyncClient(timeout=10) as client:
+            try:
+                resp = await client.post(url + "/admission/explain", content=chunks())
+                assert resp.status_code == 413
+                assert f"{ADMIN_MAX_BODY_BYTES:,}" in resp.json()["error"]["message"]
+            except httpx.HTTPError:
+                pass  # the server answered and closed while the client was still writing
+            assert (await client.get(url + "/healthz")).status_code == 200
+
+
+async def test_connection_limit_answers_503(tmp_path: Path) -> None:
+    limits = ServingLimits(header_timeout_s=5, max_client_connections=5)
+    async with lane(tmp_path, FakeEngine(), limits=limits) as (url, _, _):
+        idle = [await _open(url) for _ in range(5)]
+        raw = await raw_request(url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert raw.startswith(b"HTTP/1.1 503"), raw[:100]
+        for _, w in idle:
+            w.close()
