@@ -496,9 +496,7 @@ def add_envelope(rows: list[dict[str, Any]]) -> None:
     that set the bound.
     """
     oracle = {_key(r): r["goodput_tokens_per_s"] for r in rows if r["gate"] == "oracle"}
-    bound: dict[tuple[str, int, str, str], tuple[float, str]] = {
-        k: (v, "oracle") for k, v in oracle.items()
-    }
+    bound: dict[tuple[str, int, str, str], tuple[float, str]] = {k: (v, "oracle") for k, v in oracle.items()}
     for r in rows:
         k = _key(r)
         if r["crashes"] == 0 and r["goodput_tokens_per_s"] > bound.get(k, (0.0, ""))[0]:

@@ -31,7 +31,9 @@ Scheduler (after SGLang 0.5.x, simplified):
   third retraction.
 * Mamba: each admitted request holds ``mamba_slots_per_request`` slots; chunked prefill keeps
   checkpoints (see the profile); if a slot is needed and none is free or evictable the engine dies with
-  ``Can not alloc mamba cache``.
+  ``Can not alloc mamba cache``. Where the profile says so, in-flight requests' checkpoints are
+  *reported* evictable while no allocation can take them, so the published usage jumps to 1.00 only at
+  the failed allocation (evidence D13).
 * Memory: every prefill step allocates the profile's transients on the device (activation, context,
   gather, plus noise) and the first decode step after the running batch grows allocates the unknown
   extra; an allocation that does not fit kills the engine. A crash fails every request in flight and
