@@ -781,6 +781,11 @@ class EngineModel:
         keys = [r.sort_key() for r in self._waiting]
         self._waiting.insert(bisect.bisect(keys, req.sort_key()), req)
 
+    def cached_prefix_tokens(self, prefix_key: str | None) -> int:
+        """Tokens of this prefix the radix cache holds now (0 if none): what a request would reuse."""
+        entry = self._cache.get(prefix_key) if prefix_key is not None else None
+        return entry.tokens if entry is not None else 0
+
     def validate(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """Why SGLang would reject this request with 400, or None if it is acceptable."""
         p = self.profile
