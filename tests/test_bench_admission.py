@@ -77,3 +77,27 @@ def test_a_tiny_run_writes_rows_of_every_gate_and_the_oracle_bounds_them(tmp_pat
         assert row["goodput_tokens_per_s"] <= o["goodput_tokens_per_s"] * 1.0001, row
     assert any(row["gate"] == "none" and row["crashes"] for row in rows)
     assert png.stat().st_size > 10_000
+
+
+def test_rows_do_not_depend_on_the_number_of_workers() -> None:
+    """Runs are pure functions of their task: one process and a pool of two give the same rows."""
+    import argparse
+    import importlib.util
+    from concurrent.futures import ProcessPoolExecutor
+
+    spec = importlib.util.spec_from_file_location("bench_admission", ROOT / "bench" / "admission.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_admission"] = bench  # the pool's workers pickle run_task by this name
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(
+        scenarios=["paired-250k-cold"], seeds=2, settings=["default/neighbour"], quick=True
+    )
+
+    def rows(pool: ProcessPoolExecutor | None) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "wall_s"} for r in bench.study(args, pool)]
+
+    alone = rows(None)
+    with ProcessPoolExecutor(2) as pool:
+        assert rows(pool) == alone
+    assert {r["gate"] for r in alone} == GATES and len({r["seed"] for r in alone}) == 2

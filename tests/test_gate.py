@@ -10,8 +10,8 @@ from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
 from sidecar.intake import rules_of
-from sidecar.policy import HeadroomSource, Policy
-from tests.conftest import MIB, ask, maxq, small_policy, snapshot, with_engine
+from sidecar.policy import HeadroomSource, Policy, load_policy_file
+from tests.conftest import MIB, ROOT, ask, maxq, small_policy, snapshot, with_engine
 
 NOW = 5000.0
 CARD = 97887 * MIB  # RTX PRO 6000 Blackwell Max-Q capacity (evidence I1)
@@ -302,3 +302,30 @@ def test_an_estimate_is_capped_at_the_context() -> None:
     estimate = at_now(policy, 2_000_000, exact=False)
     assert estimate.prompt_tokens == 100_000
     assert at_now(policy, 2_000_000).prompt_tokens == 2_000_000  # exact counts are never capped
+
+
+def test_mamba_checkpoints_reported_evictable_stay_charged_until_the_request_ends() -> None:
+    """Lane 2 just before its crash (evidence I10, D13): 2 ~140K requests decode, holding 4 working
+    slots each (used) and 17 prefill checkpoints each that the engine reports *evictable* although
+    eviction cannot take them. The ledger keeps each request's 21 slots until it ends: a third waits.
+    Once both ended the checkpoints really are evictable and it goes."""
+    policy = load_policy_file(ROOT / "policies" / "mamba-lane.yaml").policy
+    third = ask(policy, 140_000, now=NOW)
+    assert third.mamba_slots == 4 + 18  # 4 working + ceil(140,000 / 8,192) checkpoints
+    snap = snapshot(
+        NOW,
+        running_requests=2,
+        mamba_usage=8 / 51,
+        mamba_used_slots=8,
+        mamba_available_slots=9,
+        mamba_evictable_slots=34,
+        kv_available_tokens=400_000,
+        max_total_tokens=739_000,
+    )
+    two_decoding = LedgerTotals(running_requests=2, running_mamba_slots=2 * 22)
+    d = judge(third, snap, two_decoding, policy, NOW)
+    assert (d.action, d.reason) == (Action.HOLD, Reason.MAMBA_SLOTS)
+    mamba = next(c for c in d.checks if c.name == Reason.MAMBA_SLOTS.value)
+    assert mamba.have == 9 + 34 - (44 - 2 * 4)  # the working slots are not charged twice
+    ended = with_engine(snap, running_requests=0, mamba_used_slots=0, mamba_available_slots=17)
+    assert judge(third, ended, LedgerTotals(), policy, NOW).admitted

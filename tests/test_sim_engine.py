@@ -193,7 +193,9 @@ def test_mamba_lane_dies_of_mamba_slots_with_two_running_and_half_empty_pool() -
     assert crash.live.full_token_usage < 0.5
     assert crash.live.full_token_usage == pytest.approx(0.46, abs=0.005)
     assert crash.live.mamba_usage == 1.0
-    assert 0.18 in published and 1.0 in published
+    # The checkpoints are reported evictable: what is published never shows the pool filling up, only
+    # the working slots (3 in-flight requests x 4 of 51); the true state at the crash is full (D13).
+    assert max(published) == round(12 / 51, 2) and 1.0 not in published
 
 
 # ------------------------------------------------------------------------------------ publication

@@ -130,11 +130,25 @@ class MambaSlots:
             return Check(
                 self.reason.value, _usage_below(usage, m.max_usage), m.max_usage, usage, "usage only"
             )
-        have = (
-            e.mamba_available_slots + (e.mamba_evictable_slots or 0) - r.ledger.mamba_slots - m.reserve_slots
-        )
+        have = e.mamba_available_slots + (e.mamba_evictable_slots or 0) - _mamba_claim(r) - m.reserve_slots
         ok = need <= have and _usage_below(e.mamba_usage, m.max_usage)
         return Check(self.reason.value, ok, need, have)
+
+
+def _mamba_claim(r: Reading) -> int:
+    """Slots admitted requests will still take that the engine may not show as used yet.
+
+    A request keeps its Mamba slots (working state plus prefill checkpoints) until it ends, and the
+    engine reports in-flight checkpoints as *evictable* although eviction cannot take them (evidence
+    I10, D13): so every admitted request is charged until its end (``running_mamba_slots``), less the
+    working slots of those past their first token, which the engine shows as used by then (one
+    sequence each is assumed: the smaller deduction). An engine that reports checkpoints as used is
+    charged them twice: the safe side.
+    """
+    m, t = r.rules.mamba, r.ledger
+    assert m is not None
+    decoding = max(0, t.running_requests - t.requests)
+    return max(t.mamba_slots, t.running_mamba_slots - m.slots_per_request * decoding)
 
 
 @dataclass(frozen=True, slots=True)

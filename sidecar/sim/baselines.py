@@ -15,7 +15,8 @@ from the admission rules peers ship, each fed the same engine model and the same
 * ``smg-overload``: the SGLang model gateway's worker overload protection: shed (503, Retry-After = the
   poll interval) while ``/v1/loads`` token usage >= 0.9;
 * ``oracle``: sees the engine model's true state; admits a request only if a copy of the engine survives
-  its prefill and the decode step after it, and rejects at once what would crash an idle engine alone.
+  its prefill and the decode step after it, and rejects at once what would crash an idle engine alone
+  (cold: a turn whose history the engine caches is judged on the copy, with its cache).
   An upper bound, not a product.
 
 The gates here decide on what they would see; the driver owns the hold queue (FIFO, head-of-line unless
@@ -214,7 +215,10 @@ class Oracle(Gate):
         self.checks = 0
 
     def decide(self, a: Attempt, d: GatedDriver) -> Verdict:
-        if self.alone(a.prompt_tokens, a.max_new_tokens) == "crashed":
+        cold_unfit = self.alone(a.prompt_tokens, a.max_new_tokens) == "crashed"
+        # A turn whose history the engine still caches prefills only its new tokens: it may fit where
+        # the same prompt cold would not, so only a request with nothing cached is refused at once.
+        if cold_unfit and (not d.engine.up or not d.engine.cached_prefix_tokens(a.prefix)):
             return Verdict("reject", "unfit_request", None)
         if not d.engine.up:
             return HOLD
@@ -229,7 +233,11 @@ class Oracle(Gate):
             cached_tokens_hint=a.cached_tokens,
             priority=a.priority,
         )
-        return HOLD if self._outcome(sim) == "crashed" else ADMIT
+        if self._outcome(sim) != "crashed":
+            return ADMIT
+        if cold_unfit and not d.engine.in_flight:
+            return Verdict("reject", "unfit_request", None)  # cached, idle, and it still does not fit
+        return HOLD
 
     def alone(self, prompt_tokens: int, max_new_tokens: int) -> str:
         """What an idle engine does with this request alone: ``served``, ``refused`` (400) or ``crashed``."""

@@ -31,7 +31,9 @@ Scheduler (after SGLang 0.5.x, simplified):
   third retraction.
 * Mamba: each admitted request holds ``mamba_slots_per_request`` slots; chunked prefill keeps
   checkpoints (see the profile); if a slot is needed and none is free or evictable the engine dies with
-  ``Can not alloc mamba cache``.
+  ``Can not alloc mamba cache``. Where the profile says so, in-flight requests' checkpoints are
+  *reported* evictable while no allocation can take them, so the published usage jumps to 1.00 only at
+  the failed allocation (evidence D13).
 * Memory: every prefill step allocates the profile's transients on the device (activation, context,
   gather, plus noise) and the first decode step after the running batch grows allocates the unknown
   extra; an allocation that does not fit kills the engine. A crash fails every request in flight and
@@ -322,6 +324,8 @@ class EngineModel:
         self._cache_total = 0
         self._mamba_free = p.mamba_slots
         self._mamba_evictable = 0
+        # Checkpoints of requests still in flight: held (never allocatable), maybe reported evictable.
+        self._mamba_pinned = 0
         self._batch_grew = False
         self._dirty: set[_Request] = set()
         self._aborted = 0
@@ -339,7 +343,8 @@ class EngineModel:
         self._loads = self._make_loads(t)
 
     def _crash(self, t: float, reason: str, oom: OutOfMemory | None = None) -> None:
-        live = self._gauges(t)
+        # The true state: the failed eviction has just found the pinned checkpoints locked.
+        live = self._gauges(t, true_mamba=True)
         self._flush_all_tokens()
         failed = tuple(self._requests)
         for rid in failed:
@@ -575,6 +580,7 @@ class EngineModel:
         if p.mamba_checkpoint_interval_tokens == 0 and req.mamba_ckpts:
             # Latest-only checkpoint: the final state lives in the working slot; the checkpoint is cached.
             self._mamba_evictable += req.mamba_ckpts
+            self._mamba_pinned -= req.mamba_ckpts
             req.mamba_ckpts = 0
         self._cache_prefix(req, t)
         req.output += 1  # the prefill forward samples the next token
@@ -734,6 +740,7 @@ class EngineModel:
         req.entry_len = 0
         if self.profile.mamba_slots > 0:
             self._mamba_free += req.mamba_working
+            self._mamba_pinned -= req.mamba_ckpts
             if finished:
                 self._mamba_evictable += req.mamba_ckpts
             else:
@@ -766,12 +773,18 @@ class EngineModel:
             if not self._take_mamba(1, t, crash=True):
                 return False
             req.mamba_ckpts += 1
+            self._mamba_pinned += 1
         return True
 
     # ------------------------------------------------------------------ queue
     def _enqueue(self, req: _Request) -> None:
         keys = [r.sort_key() for r in self._waiting]
         self._waiting.insert(bisect.bisect(keys, req.sort_key()), req)
+
+    def cached_prefix_tokens(self, prefix_key: str | None) -> int:
+        """Tokens of this prefix the radix cache holds now (0 if none): what a request would reuse."""
+        entry = self._cache.get(prefix_key) if prefix_key is not None else None
+        return entry.tokens if entry is not None else 0
 
     def validate(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """Why SGLang would reject this request with 400, or None if it is acceptable."""
@@ -827,15 +840,20 @@ class EngineModel:
             pending += self._chunked.target - self._chunked.prefilled
         return pending
 
-    def _gauges(self, t: float) -> Gauges:
+    def _gauges(self, t: float, *, true_mamba: bool = False) -> Gauges:
+        """What the engine reports; ``true_mamba`` counts pinned checkpoints as used even where the
+        profile says the engine reports them evictable (the state at a failed Mamba allocation)."""
         p = self.profile
         pool = p.kv_pool_tokens
         evictable = self._kv_evictable()
         available = self._kv_free()
         kv_used = pool - available - evictable
         full = kv_used / pool if pool else 0.0
+        m_evictable = self._mamba_evictable
+        if p.mamba_inflight_checkpoints_reported_evictable and not true_mamba:
+            m_evictable += self._mamba_pinned
         if p.mamba_slots > 0:
-            m_used = p.mamba_slots - self._mamba_free - self._mamba_evictable
+            m_used = p.mamba_slots - self._mamba_free - m_evictable
             mamba = m_used / p.mamba_slots
         else:
             m_used = 0
@@ -853,7 +871,7 @@ class EngineModel:
             kv_evictable_tokens=evictable,
             kv_used_tokens=kv_used,
             mamba_available_tokens=self._mamba_free if p.mamba_slots else 0,
-            mamba_evictable_tokens=self._mamba_evictable if p.mamba_slots else 0,
+            mamba_evictable_tokens=m_evictable if p.mamba_slots else 0,
             mamba_used_tokens=m_used,
             gen_throughput=0.0 if idle else self._gen_throughput,
             cache_hit_rate=self._cache_hit_rate,

@@ -82,6 +82,13 @@ class LaneProfile:
     # During chunked prefill a checkpoint (one slot) is kept every this many prompt tokens and stays
     # locked while its request is in flight; 0 keeps only the latest checkpoint (one slot).
     mamba_checkpoint_interval_tokens: int = 0
+    # Whether the engine REPORTS those interval checkpoints of in-flight requests as evictable. SGLang
+    # donates each chunk's state to the radix tree (cache_unfinished_req), where it counts in
+    # `mamba_evictable_tokens`; eviction still cannot take it while the request's path is locked
+    # (sgl-project/sglang PR #36770: "the pool looks half empty ... nothing in it is evictable").
+    # So the published Mamba usage stays low and jumps to 1.00 only at the failed allocation
+    # (evidence I10, D12). The allocator never takes them either way.
+    mamba_inflight_checkpoints_reported_evictable: bool = False
     # SGLang reserves min(max_new_tokens - output, clip) * new_token_ratio KV tokens per running
     # request when admitting prefills (SGLANG_INIT_NEW_TOKEN_RATIO 0.7, CLIP_MAX_NEW_TOKENS 4096).
     new_token_ratio: float = 0.7
@@ -411,6 +418,8 @@ MAMBA_LANE = LaneProfile(
     # Assumed, calibrate: a locked checkpoint every 8,192 prompt tokens; with 3 cold ~140K requests the
     # pool runs out while 2 are running (evidence I10: usage 0.18 -> 1.00 with 2 running, full 0.46).
     mamba_checkpoint_interval_tokens=8192,
+    # Reported evictable while pinned: usage 0.18 with 2 running, then 1.00 at the crash (evidence I10, D12).
+    mamba_inflight_checkpoints_reported_evictable=True,
     prefill_tokens_per_s=_MAXQ_PREFILL_TPS,
     prefill_half_speed_context=_MAXQ_PREFILL_HALF,
     decode_tokens_per_s=_MAXQ_DECODE_TPS,
