@@ -441,7 +441,12 @@ class Fit:
     largest_prompt_tokens: int
     usable: int
     notes: tuple[str, ...] = ()
+    # The absolute error budget the margin (relative) does not cover: twice the largest amount by
+    # which an observation exceeded the fit, at least MIN_RESERVE (allocator rounding, 2 MiB blocks).
+    reserve_bytes: int = 0
 
+
+MIN_RESERVE = 16 * MiB
 
 MIN_USABLE = 7  # five prefill terms + the cap's breakpoint, and one to spare
 
@@ -599,7 +604,9 @@ def fit(run: ProbeRun, *, safety: float = 0.05, min_usable: int = MIN_USABLE) ->
     largest = max(o.probe.prompt_tokens for o in usable)
     if run.skipped:
         notes.append(f"{len(run.skipped)} probe(s) skipped (headroom or budget): see the plan")
-    return Fit(coef, margin, envelope, sigma, residuals, largest, len(usable), tuple(notes))
+    worst = max((r.observed - r.predicted for r in visible), default=0.0)
+    reserve = max(MIN_RESERVE, math.ceil(2 * max(0.0, worst) / MiB) * MiB)
+    return Fit(coef, margin, envelope, sigma, residuals, largest, len(usable), tuple(notes), reserve)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -630,6 +637,7 @@ def proposal_text(policy_text: str, fit_: Fit, run: ProbeRun, command: str) -> s
     data["cost"] = proposed_cost(fit_)
     vram = dict(data.get("vram") or {})
     vram["idle_free_bytes"] = run.idle_free_bytes
+    vram["reserve_bytes"] = fit_.reserve_bytes
     data["vram"] = vram
     c = fit_.coefficients
     header = [
@@ -640,7 +648,9 @@ def proposal_text(policy_text: str, fit_: Fit, run: ProbeRun, command: str) -> s
         f"{fit_.envelope_ratio:.3f}, 1 + 3 x noise {fit_.noise_sigma:.3f}) x (1 + safety).",
         f"# Trusted up to {fit_.largest_prompt_tokens:,}-token prompts (the longest visible probe); beyond "
         "that the coefficients are extrapolated.",
-        f"# vram.idle_free_bytes: NVML free before the first probe ({run.idle_free_bytes / MiB:,.0f} MiB).",
+        f"# vram.idle_free_bytes: NVML free before the first probe ({run.idle_free_bytes / MiB:,.0f} MiB); "
+        f"reserve_bytes: twice the largest under-prediction seen, at least {MIN_RESERVE // MiB} MiB "
+        f"({fit_.reserve_bytes / MiB:,.0f} MiB).",
         *(f"# note: {n}" for n in fit_.notes),
         f"# Join term {(c.batch_join_bytes or 0) / MiB:,.0f} MiB. Review, then install it as the lane's policy.",
     ]
