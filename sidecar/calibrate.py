@@ -130,8 +130,10 @@ def plan_probes(
         probes.append(Probe(f"cached-{prefix}+{chunk // 2}", prefix + chunk // 2, cached_tokens=prefix))
     small = max(16, chunk // 16)
     for g in groups:
-        if g * small <= chunk:  # short prefills: the group meets in the decode batch at once
-            probes.append(Probe(f"x{g}-{small}", small, concurrent=g, max_new_tokens=512))
+        # Short prefills and long decodes: the group's requests overlap in the decode batch even when
+        # they arrive milliseconds apart.
+        if g * small <= chunk:
+            probes.append(Probe(f"x{g}-{small}", small, concurrent=g, max_new_tokens=2048))
     return probes
 
 
@@ -560,21 +562,27 @@ def fit(run: ProbeRun, *, safety: float = 0.05, min_usable: int = MIN_USABLE) ->
     # Batch join from the group probes, in increasing group size: each one that set a new mark above
     # its own prefill step measured the join for that running batch.
     joins: list[tuple[int, float]] = []
+    bounded_only = True  # every join so far is an upper bound (censored), none a measurement
     for o in sorted((o for o in ok if o.probe.concurrent > 1), key=lambda o: o.probe.concurrent):
         prefill = coef.prefill_step(step_shapes(o.probe, chunk, coef))
         g = o.probe.concurrent
-        if o.censored and joins:
+        if o.censored and joins and not bounded_only:
             notes.append(
                 f"{o.probe.name}: no new peak above the smaller group's: the join does not grow with "
                 f"the running batch (up to {g} running)"
             )
-        elif o.censored:
+        elif o.censored and not joins:
             notes.append(
                 f"{o.probe.name}: censored (no new peak above {o.before / MiB:,.0f} MiB): the join term for "
                 f"{g} running is at most that, which is what is proposed"
             )
             joins.append((g, float(o.before)))
+        elif o.censored:
+            continue  # a bound above a bound says nothing more
         elif o.after > prefill * 1.05:
+            if bounded_only:
+                joins = []  # a measured join replaces the bounds below it (a slope needs two measurements)
+            bounded_only = False
             joins.append((g, float(o.after)))
         else:
             notes.append(f"{o.probe.name}: peak explained by its prefill step: no join term seen")
