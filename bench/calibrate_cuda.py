@@ -10,7 +10,7 @@ on the modeled device (``--gpu-file``), to test the script on a machine without 
 
     PYTHONPATH=. python3 bench/calibrate_cuda.py [--cuda] [--profile h200-qwen3next] [--speed 20]
 
-Writes ``calibrate-cuda.json`` and ``.md`` to $OUT when set, else ``bench/results/``.
+Writes ``calibrate-cuda-<profile>.json`` to $OUT when set, else ``bench/results/``.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def main() -> int:
         )
         if "comparison" in r:
             print(json.dumps(r["comparison"], indent=1), flush=True)
-    (out_dir / "calibrate-cuda.json").write_text(json.dumps(results, indent=1, default=str))
+    (out_dir / f"calibrate-cuda-{args.profile}.json").write_text(json.dumps(results, indent=1, default=str))
     return 0
 
 
