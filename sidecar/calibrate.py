@@ -130,8 +130,10 @@ def plan_probes(
         probes.append(Probe(f"cached-{prefix}+{chunk // 2}", prefix + chunk // 2, cached_tokens=prefix))
     small = max(16, chunk // 16)
     for g in groups:
-        if g * small <= chunk:  # short prefills: the group meets in the decode batch at once
-            probes.append(Probe(f"x{g}-{small}", small, concurrent=g, max_new_tokens=512))
+        # Short prefills and long decodes: the group's requests overlap in the decode batch even when
+        # they arrive milliseconds apart.
+        if g * small <= chunk:
+            probes.append(Probe(f"x{g}-{small}", small, concurrent=g, max_new_tokens=2048))
     return probes
 
 
@@ -441,7 +443,12 @@ class Fit:
     largest_prompt_tokens: int
     usable: int
     notes: tuple[str, ...] = ()
+    # The absolute error budget the margin (relative) does not cover: twice the largest amount by
+    # which an observation exceeded the fit, at least MIN_RESERVE (allocator rounding, 2 MiB blocks).
+    reserve_bytes: int = 0
 
+
+MIN_RESERVE = 16 * MiB
 
 MIN_USABLE = 7  # five prefill terms + the cap's breakpoint, and one to spare
 
@@ -555,21 +562,27 @@ def fit(run: ProbeRun, *, safety: float = 0.05, min_usable: int = MIN_USABLE) ->
     # Batch join from the group probes, in increasing group size: each one that set a new mark above
     # its own prefill step measured the join for that running batch.
     joins: list[tuple[int, float]] = []
+    bounded_only = True  # every join so far is an upper bound (censored), none a measurement
     for o in sorted((o for o in ok if o.probe.concurrent > 1), key=lambda o: o.probe.concurrent):
         prefill = coef.prefill_step(step_shapes(o.probe, chunk, coef))
         g = o.probe.concurrent
-        if o.censored and joins:
+        if o.censored and joins and not bounded_only:
             notes.append(
                 f"{o.probe.name}: no new peak above the smaller group's: the join does not grow with "
                 f"the running batch (up to {g} running)"
             )
-        elif o.censored:
+        elif o.censored and not joins:
             notes.append(
                 f"{o.probe.name}: censored (no new peak above {o.before / MiB:,.0f} MiB): the join term for "
                 f"{g} running is at most that, which is what is proposed"
             )
             joins.append((g, float(o.before)))
+        elif o.censored:
+            continue  # a bound above a bound says nothing more
         elif o.after > prefill * 1.05:
+            if bounded_only:
+                joins = []  # a measured join replaces the bounds below it (a slope needs two measurements)
+            bounded_only = False
             joins.append((g, float(o.after)))
         else:
             notes.append(f"{o.probe.name}: peak explained by its prefill step: no join term seen")
@@ -599,7 +612,9 @@ def fit(run: ProbeRun, *, safety: float = 0.05, min_usable: int = MIN_USABLE) ->
     largest = max(o.probe.prompt_tokens for o in usable)
     if run.skipped:
         notes.append(f"{len(run.skipped)} probe(s) skipped (headroom or budget): see the plan")
-    return Fit(coef, margin, envelope, sigma, residuals, largest, len(usable), tuple(notes))
+    worst = max((r.observed - r.predicted for r in visible), default=0.0)
+    reserve = max(MIN_RESERVE, math.ceil(2 * max(0.0, worst) / MiB) * MiB)
+    return Fit(coef, margin, envelope, sigma, residuals, largest, len(usable), tuple(notes), reserve)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -630,6 +645,7 @@ def proposal_text(policy_text: str, fit_: Fit, run: ProbeRun, command: str) -> s
     data["cost"] = proposed_cost(fit_)
     vram = dict(data.get("vram") or {})
     vram["idle_free_bytes"] = run.idle_free_bytes
+    vram["reserve_bytes"] = fit_.reserve_bytes
     data["vram"] = vram
     c = fit_.coefficients
     header = [
@@ -640,7 +656,9 @@ def proposal_text(policy_text: str, fit_: Fit, run: ProbeRun, command: str) -> s
         f"{fit_.envelope_ratio:.3f}, 1 + 3 x noise {fit_.noise_sigma:.3f}) x (1 + safety).",
         f"# Trusted up to {fit_.largest_prompt_tokens:,}-token prompts (the longest visible probe); beyond "
         "that the coefficients are extrapolated.",
-        f"# vram.idle_free_bytes: NVML free before the first probe ({run.idle_free_bytes / MiB:,.0f} MiB).",
+        f"# vram.idle_free_bytes: NVML free before the first probe ({run.idle_free_bytes / MiB:,.0f} MiB); "
+        f"reserve_bytes: twice the largest under-prediction seen, at least {MIN_RESERVE // MiB} MiB "
+        f"({fit_.reserve_bytes / MiB:,.0f} MiB).",
         *(f"# note: {n}" for n in fit_.notes),
         f"# Join term {(c.batch_join_bytes or 0) / MiB:,.0f} MiB. Review, then install it as the lane's policy.",
     ]

@@ -26,8 +26,10 @@ from sidecar.calibrate import (
 from sidecar.cli import main
 from sidecar.policy import load_policy_file, load_policy_text
 from sidecar.sim.engine import EngineModel
-from sidecar.sim.probe_lane import ModelLane, true_coefficients
-from sidecar.sim.profiles import PROFILES, LaneProfile, MiB
+from sidecar.sim.probe_lane import ModelLane, calibrate_on_model, perturbed, true_coefficients
+from sidecar.sim.profiles import PROFILES, LaneProfile, MiB, get_profile
+from sidecar.sim.replay import run_replay
+from sidecar.sim.scenario import load_scenario
 from sidecar.sim.server import EmulatorServer, build_emulator_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,3 +187,48 @@ def test_dry_run_prints_the_plan(capsys: pytest.CaptureFixture) -> None:
 def test_without_upstream_it_says_what_is_missing(capsys: pytest.CaptureFixture) -> None:
     assert main(["calibrate", "--policy", str(ROOT / POLICY["maxq-old"])]) == 2
     assert "--upstream" in capsys.readouterr().err
+
+
+SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
+
+
+def _replay(sc, policy, profile, seed):  # type: ignore[no-untyped-def]
+    return run_replay(sc, gate=True, policy=policy, profile=profile, seed=seed)
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_proposed_policy_replays_without_crashes_and_no_less_goodput(path: Path) -> None:
+    """Calibrated from the shipped policy on the scenario's profile: zero crashes, goodput at least the
+    shipped policy's and the over-cautious start's (the true coefficients x3)."""
+    sc = load_scenario(path)
+    profile = get_profile(sc.profile)
+    text = (ROOT / sc.policy).read_text()
+    proposed, _, result = calibrate_on_model(profile, text)
+    assert proposed is not None, result
+    t3 = true_coefficients(profile).scaled(3)
+    shipped = load_policy_file(ROOT / sc.policy)
+    cautious = shipped.with_section(
+        "cost",
+        activation_bytes_per_chunk_token=int(t3.activation_bytes_per_chunk_token),
+        context_bytes_per_token=int(t3.context_bytes_per_token),
+        gather_bytes_per_context_token=int(t3.gather_bytes_per_context_token),
+        gather_cap_bytes=None if t3.gather_cap_bytes is None else int(t3.gather_cap_bytes),
+        batch_join_bytes=int(t3.batch_join_bytes or 0),
+    )
+    got = _replay(sc, load_policy_text(proposed), profile, sc.seed)
+    assert not got["crashes"]
+    for other in (shipped, cautious):
+        assert got["goodput_tokens_per_s"] >= _replay(sc, other, profile, sc.seed)["goodput_tokens_per_s"]
+
+
+@pytest.mark.parametrize(
+    ("scale", "noise"), [(1.2, 0.0), (1.0, 0.05), (1.0, 0.10)], ids=["x1.2", "noise5", "noise10"]
+)
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_calibrated_on_the_perturbed_engine_it_never_crashes(path: Path, scale: float, noise: float) -> None:
+    sc = load_scenario(path)
+    profile = perturbed(get_profile(sc.profile), scale=scale, noise=noise)
+    proposed, _, result = calibrate_on_model(profile, (ROOT / sc.policy).read_text())
+    assert proposed is not None, result
+    for seed in (sc.seed, sc.seed + 1):
+        assert not _replay(sc, load_policy_text(proposed), profile, seed)["crashes"]

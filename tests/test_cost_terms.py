@@ -63,7 +63,7 @@ def test_a_newcomer_that_would_join_a_running_batch_waits_for_the_join_to_fit() 
     assert alone.admitted
     beside = decide(d, Situation(rules, _free(0), LedgerTotals(running_requests=1), 0.0))
     assert beside.admitted and any(c.name == "batch_join" and c.ok for c in beside.checks)
-    small = bounded(batch_join_bytes=3200 * MiB, margin=1.0)
+    small = bounded(batch_join_bytes=3300 * MiB, margin=1.0)
     d = demand_mod.build(small, 4096, arrived_at=0.0)
     held = decide(d, Situation(small, _free(0), LedgerTotals(running_requests=1), 0.0))
     assert not held.admitted and held.reason is Reason.VRAM_HEADROOM

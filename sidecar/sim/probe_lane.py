@@ -8,7 +8,21 @@ model's device memory as NVML would show it.
 
 from __future__ import annotations
 
-from sidecar.calibrate import Coefficients, EngineInfo, Probe
+import asyncio
+
+from sidecar.calibrate import (
+    Bounds,
+    Coefficients,
+    EngineInfo,
+    Fit,
+    Probe,
+    ProbeRun,
+    fit,
+    plan_probes,
+    proposal_text,
+    run_probes,
+)
+from sidecar.policy import load_policy_text
 from sidecar.sim.engine import EngineModel
 from sidecar.sim.events import Crashed, Failed, Finished
 from sidecar.sim.profiles import LaneProfile
@@ -92,4 +106,45 @@ def true_coefficients(profile: LaneProfile) -> Coefficients:
         gather_cap_bytes=float(p.gather_cap_bytes) if capped else None,
         batch_join_bytes=float(p.unknown_extra_bytes),
         batch_join_bytes_per_running_request=0.0,
+    )
+
+
+def calibrate_on_model(
+    profile: LaneProfile,
+    policy_text: str,
+    *,
+    start: Coefficients | None = None,
+    seed: int = 0,
+    safety: float = 0.05,
+    command: str = "calibrate on the emulator (sidecar.sim.probe_lane.calibrate_on_model)",
+) -> tuple[str | None, ProbeRun, Fit | str]:
+    """Run ``calibrate`` against a fresh engine model of ``profile``, starting from the policy's
+    coefficients (or ``start``); the proposed policy's text, or None when nothing is proposed."""
+    policy = load_policy_text(policy_text).policy
+    lane = ModelLane(EngineModel(profile, seed))
+    probes = plan_probes(profile.chunked_prefill_size, profile.context_length)
+    bounds = Bounds(reserve_bytes=int(policy.vram.reserve_bytes))
+    run = asyncio.run(run_probes(lane, lane, probes, start or Coefficients.of(policy.cost), bounds))
+    result = fit(run, safety=safety) if run.refused is None else run.refused
+    if isinstance(result, str):
+        return None, run, result
+    return proposal_text(policy_text, result, run, command), run, result
+
+
+def perturbed(profile: LaneProfile, *, scale: float = 1.0, noise: float = 0.0) -> LaneProfile:
+    """The same lane whose transients and batch join are ``scale`` times larger, with relative noise:
+    a new build or model the policy was not calibrated for."""
+    p = profile
+
+    def up(x: int) -> int:
+        return int(x * scale)
+
+    return p.replace(
+        name=f"{p.name}-x{scale:g}-noise{noise:g}",
+        activation_bytes_per_token=up(p.activation_bytes_per_token),
+        context_bytes_per_token=up(p.context_bytes_per_token),
+        gather_bytes_per_token=up(p.gather_bytes_per_token),
+        gather_cap_bytes=None if p.gather_cap_bytes is None else up(p.gather_cap_bytes),
+        unknown_extra_bytes=up(p.unknown_extra_bytes),
+        transient_noise=noise,
     )
