@@ -94,6 +94,19 @@ def test_priority_orders_the_queue(clock: ManualClock) -> None:
     assert order == [5]  # larger value first (SGLang's default); room for one at a time
 
 
+def test_retry_after_counts_every_held_request_in_front_once(clock: ManualClock) -> None:
+    """Three held behind one admitted (1000 tokens each, 1000 tok/s): as each times out, the work that
+    must drain is the ledger's 1000, the others still held, and its own 1000, each counted once."""
+    a, _ = make(clock, free_mib=1)
+    submit(a, cost_1mib(a))
+    answered: list[Handle] = []
+    held = [submit(a, cost_1mib(a), answered) for _ in range(3)]
+    assert all(h.held for h in held)
+    clock.advance(30)
+    assert answered == held
+    assert [h.decision.retry_after_s for h in held if h.decision is not None] == [4, 3, 2]
+
+
 def test_client_leaving_while_held_is_removed_and_counted(clock: ManualClock) -> None:
     a, rec = make(clock, free_mib=1)
     t = submit(a, cost_1mib(a))

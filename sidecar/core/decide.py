@@ -215,9 +215,9 @@ def retry_after_s(s: Situation, reason: Reason | None, own_tokens: int = 0) -> i
     e = s.snapshot.engine
     forwarded = max((e.pending_prefill_tokens or 0) if e else 0, s.ledger.prefill_tokens)
     rate = s.prefill_tokens_per_s or h.prefill_tokens_per_s
-    # A held request deciding is itself in the queue's total: count it once, as its own.
-    held = max(0, s.held_tokens - own_tokens) if s.queued else s.held_tokens
-    estimate = (forwarded + held + own_tokens) / rate
+    # ``held_tokens`` never includes the request deciding (the shell leaves its own out): count it
+    # once, as ``own_tokens``.
+    estimate = (forwarded + s.held_tokens + own_tokens) / rate
     if reason in (Reason.SIGNALS_STALE, Reason.ENGINE_UNAVAILABLE):
         # Nothing to measure while blind: one staleness period is the soonest signals can recover.
         estimate = max(estimate, s.rules.engine.max_age_s)
