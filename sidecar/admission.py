@@ -288,10 +288,11 @@ class Admission:
             raise RuntimeError("a handle submits once, before it ends")
         h.demand = demand
         h.sort_key = self._sort_key(demand)
+        h.waited_s = self._waited(h)
         d = decide(demand, self.situation(ahead=self._ahead_of(h.sort_key)))
         if self.shadow and d.action is not Action.ADMIT:
             # Shadow mode: record what enforcement would have done, then forward anyway.
-            self.observer.decision(d, demand, 0.0, self.ledger.totals)
+            self.observer.decision(d, demand, h.waited_s, self.ledger.totals)
             h.shadow_reject = d
             d = Decision(Action.ADMIT, None, None, d.headroom_bytes, d.checks, d.charge)
         if d.action is Action.ADMIT:
@@ -299,7 +300,7 @@ class Admission:
         elif d.action is Action.REJECT:
             self._reject(h, d)
         else:
-            self.observer.decision(d, demand, 0.0, self.ledger.totals)
+            self.observer.decision(d, demand, h.waited_s, self.ledger.totals)
             h.decision, h._held, h._on_done = d, True, on_done
             self._queue.push(h)
             self._arm(h)
@@ -366,7 +367,7 @@ class Admission:
 
     def _admit(self, h: Handle, d: Decision) -> None:
         assert h.demand is not None
-        h.decision, h.waited_s = d, self._waited(h) if h.shadow_reject is None else 0.0
+        h.decision, h.waited_s = d, self._waited(h)
         if not len(self.ledger):
             self.prefill_rate.busy(self.clock.now())
         h._key = self.ledger.charge(d.charge)

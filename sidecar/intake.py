@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ByteSize
+from pydantic import BaseModel
 
 from sidecar.core import demand
 from sidecar.core.demand import Demand
@@ -17,9 +17,8 @@ from sidecar.core.rules import (
     HoldRules,
     KvRules,
     LaneRules,
+    LimitRules,
     MambaRules,
-    PendingPrefillRules,
-    QueueRules,
     Rules,
     SignalRules,
     VramRules,
@@ -41,8 +40,8 @@ def rules_of(p: Policy) -> Rules:
         vram=_view(VramRules, p.vram),
         kv=_view(KvRules, p.kv),
         mamba=None if p.mamba is None else _view(MambaRules, p.mamba),
-        engine_queue=_view(QueueRules, p.engine_queue),
-        pending_prefill=_view(PendingPrefillRules, p.pending_prefill),
+        engine_queue=LimitRules(p.engine_queue.max_requests, p.engine_queue.on_exceed),
+        pending_prefill=LimitRules(p.pending_prefill.max_tokens, p.pending_prefill.on_exceed),
         engine=_view(SignalRules, p.engine),
         gpu=_view(SignalRules, p.gpu),
         hold=_view(HoldRules, p.hold),
@@ -50,10 +49,11 @@ def rules_of(p: Policy) -> Rules:
 
 
 def _view(cls: type[T], section: BaseModel) -> T:
-    """``cls`` filled from the section's fields of the same names; ByteSize values become plain ints.
+    """``cls`` filled from the section's fields of the same names (pydantic keeps sizes as plain ints).
     A field of ``cls`` the section lacks keeps its default (``SignalRules.required`` on the engine)."""
-    values = {f.name: getattr(section, f.name) for f in fields(cls) if f.name in type(section).model_fields}
-    return cls(**{k: int(v) if isinstance(v, ByteSize) else v for k, v in values.items()})
+    return cls(
+        **{f.name: getattr(section, f.name) for f in fields(cls) if f.name in type(section).model_fields}
+    )
 
 
 def demand_of(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import asdict
 
 import pytest
@@ -15,6 +14,7 @@ from sidecar.sim.readings import engine_signals
 from sidecar.sim.scenario import load_scenario
 from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
 from tests.conftest import ROOT
+from tests.harness import eventually
 
 SPEED = 50.0
 
@@ -98,20 +98,19 @@ async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable
                 trust_emulator_sizes=True,
             )
             async with serve_app(app) as url, aiohttp.ClientSession() as session:
-                while app.admission.snapshot.engine is None:
-                    await asyncio.sleep(0.01)
+                await eventually(lambda: app.admission.snapshot.engine is not None)
                 body = {"text": "x", "stream": True, "emulator": {"prompt_tokens": 400_000}}
                 with pytest.raises(aiohttp.ClientPayloadError):
                     async with session.post(url + "/generate", json=body) as resp:
                         assert resp.status == 200
                         async for _ in resp.content:
                             pass
-                while app.admission.snapshot.engine_health.consecutive_failures < 3:
-                    await asyncio.sleep(0.02)
+                await eventually(lambda: app.admission.snapshot.engine_health.consecutive_failures >= 3)
                 async with session.post(url + "/generate", json=body | {"stream": False}) as resp:
                     assert resp.status == 503
                     assert resp.headers["x-admission-reason"] == "engine_unavailable"
-                    assert int(resp.headers["retry-after"]) >= 1
+                    retry = int(resp.headers["retry-after"])
+                    assert retry >= 1 and retry == (await resp.json())["admission"]["retry_after_s"]
                 assert app.admission.ledger.totals.requests == 0
                 metrics = await (await session.get(url + "/metrics")).text()
                 assert 'sglang_sidecar_requests_total{outcome="upstream_error"} 1.0' in metrics

@@ -138,7 +138,7 @@ async def test_sighup_reloads_the_policy_file_and_keeps_it_on_error(tmp_path: Pa
             await eventually(lambda: app.admission.policy.name == "after-hup")
             policy_file.write_text("name: broken\nnot_a_field: 1\n")
             os.kill(os.getpid(), signal.SIGHUP)
-            await asyncio.sleep(0.2)
+            await eventually(lambda: app.policy_source.last_failure is not None)  # the refusal happened
             assert app.admission.policy.name == "after-hup"
 
 

@@ -415,9 +415,9 @@ async def test_hold_timeout_over_the_wire(tmp_path: Path) -> None:
         lane(tmp_path, engine, free_mib=0, hold__max_wait_s=0.2) as (url, app, _),
         httpx.AsyncClient(timeout=10) as client,
     ):
-        r = await client.post(url + "/generate", json=gen(rid="late"))
+        r = await client.post(url + "/generate", json=gen(rid="late", tokens=5000))
         assert r.status_code == 503 and r.headers["x-admission-reason"] == "hold_timeout"
-        assert int(r.headers["retry-after"]) >= 1
+        assert r.headers["retry-after"] == "5"  # its own 5,000 prefill tokens at 1,000 tokens/s
         assert engine.arrived == [] and app.admission.held == 0
         assert app.admission.ledger.totals == LedgerTotals()
         assert await outcomes(client, url) == {"rejected": 1.0}
@@ -426,7 +426,7 @@ async def test_hold_timeout_over_the_wire(tmp_path: Path) -> None:
 async def test_drain_rejects_the_held_with_retry_after(tmp_path: Path) -> None:
     engine = FakeEngine()
     async with (
-        lane(tmp_path, engine, free_mib=0) as (url, app, _),
+        lane(tmp_path, engine, free_mib=0, hold__retry_after_min_s=4) as (url, app, _),
         httpx.AsyncClient(timeout=10) as client,
     ):
         task = asyncio.create_task(client.post(url + "/generate", json=gen(rid="held")))
@@ -434,7 +434,7 @@ async def test_drain_rejects_the_held_with_retry_after(tmp_path: Path) -> None:
         app.admission.drain()
         r = await asyncio.wait_for(task, 10)
         assert r.status_code == 503 and r.headers["x-admission-reason"] == "draining"
-        assert int(r.headers["retry-after"]) >= 1
+        assert r.headers["retry-after"] == "4"  # draining: the policy's minimum
         r = await client.post(url + "/generate", json=gen(rid="new"))
         assert r.headers["x-admission-reason"] == "draining"
         assert (await client.get(url + "/readyz")).status_code == 503

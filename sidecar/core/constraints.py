@@ -19,7 +19,7 @@ from typing import Protocol
 from sidecar.core.decision import Charge, Check, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
-from sidecar.core.rules import ExceedAction, PendingPrefillRules, QueueRules, Rules
+from sidecar.core.rules import ExceedAction, LimitRules, Rules
 from sidecar.core.snapshot import EngineSignals
 
 
@@ -150,7 +150,7 @@ class WorkAhead:
     reason: Reason
     # Its policy section (a ``limit`` and an ``on_exceed``), the engine's report of the work ahead, and
     # the share of it one request has (the same field of the ledger's totals and of a charge).
-    section: Callable[[Rules], QueueRules | PendingPrefillRules]
+    section: Callable[[Rules], LimitRules]
     reported: Callable[[EngineSignals], int | None]
     share: Callable[[LedgerTotals | Charge], int]
 

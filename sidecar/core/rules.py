@@ -111,25 +111,12 @@ class MambaRules:
 
 
 @dataclass(frozen=True, slots=True)
-class QueueRules:
-    """The engine's queue: requests forwarded whose prefill has not finished."""
+class LimitRules:
+    """A limit on work waiting in the engine: ``engine_queue.max_requests`` (sequences forwarded whose
+    prefill has not finished) or ``pending_prefill.max_tokens``."""
 
-    max_requests: int
+    limit: int
     on_exceed: ExceedAction
-
-    @property
-    def limit(self) -> int:
-        return self.max_requests
-
-
-@dataclass(frozen=True, slots=True)
-class PendingPrefillRules:
-    max_tokens: int
-    on_exceed: ExceedAction
-
-    @property
-    def limit(self) -> int:
-        return self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +149,8 @@ class Rules:
     vram: VramRules
     kv: KvRules
     mamba: MambaRules | None
-    engine_queue: QueueRules
-    pending_prefill: PendingPrefillRules
+    engine_queue: LimitRules
+    pending_prefill: LimitRules
     engine: SignalRules
     gpu: SignalRules
     hold: HoldRules

@@ -1,0 +1,45 @@
+"""`make mutation`'s verdict: the score over the core's mutants, and every survivor accounted for.
+
+Reads mutmut's own results (``mutmut export-cicd-stats`` and ``mutmut results``) and MUTATION.md,
+which lists each surviving mutant that is equivalent (no test can tell it from the original) with the
+reason. Exit 1 when a survivor is not listed there, or when the score - killed over mutants that are
+neither equivalent nor untested - is below 90 %.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+THRESHOLD = 0.90
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    mutmut = str(Path(sys.executable).with_name("mutmut"))
+    subprocess.run([mutmut, "export-cicd-stats"], cwd=ROOT, check=True, capture_output=True)
+    stats = json.loads((ROOT / "mutants" / "mutmut-cicd-stats.json").read_text())
+    out = subprocess.run([mutmut, "results"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    survivors = sorted(m for m, status in re.findall(r"^\s*(\S+): (\w[\w ]*)$", out, re.M) if status == "survived")
+    listed = set(re.findall(r"`(sidecar\.[^`]+__mutmut_\d+)`", (ROOT / "MUTATION.md").read_text()))
+    unexplained = [m for m in survivors if m not in listed]
+    equivalent = len([m for m in survivors if m in listed])
+    killed = stats["killed"] + stats.get("timeout", 0)
+    judged = stats["total"] - stats.get("no_tests", 0) - stats.get("skipped", 0) - equivalent
+    score = killed / judged if judged else 1.0
+    print(
+        f"mutants {stats['total']}: killed {stats['killed']}, timed out {stats.get('timeout', 0)}, "
+        f"survived {len(survivors)} ({equivalent} listed as equivalent in MUTATION.md), "
+        f"untested {stats.get('no_tests', 0)}"
+    )
+    print(f"score: {killed}/{judged} = {score:.1%} of non-equivalent mutants killed (threshold {THRESHOLD:.0%})")
+    for m in unexplained:
+        print(f"  survived, not explained in MUTATION.md: {m}  (mutmut show {m})")
+    return 0 if score >= THRESHOLD and not unexplained else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
