@@ -216,8 +216,11 @@ class Admission:
         now = self.clock.now()
         return max((now - h.demand.arrived_at for h in self._queue.heap if h.held and h.demand), default=None)
 
-    def situation(self, *, queued: bool = False, ahead: Reason | None = None) -> Situation:
-        """What the decision reads now, besides the request."""
+    def situation(
+        self, *, queued: bool = False, ahead: Reason | None = None, own_tokens: int = 0
+    ) -> Situation:
+        """What the decision reads now, besides the request (``own_tokens``: a held request's own,
+        left out of the held total, which the decision counts once as the request's)."""
         return Situation(
             self.rules,
             self.snapshot,
@@ -227,7 +230,7 @@ class Admission:
             queued=queued,
             ahead=ahead,
             draining=self.draining,
-            held_tokens=self._queue.tokens,
+            held_tokens=self._queue.tokens - own_tokens,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
         )
 
@@ -314,7 +317,9 @@ class Admission:
             if not h.held:
                 continue  # left during this pass (a callback ended it)
             assert h.demand is not None
-            d = decide(h.demand, self.situation(queued=True, ahead=ahead))
+            d = decide(
+                h.demand, self.situation(queued=True, ahead=ahead, own_tokens=h.demand.uncached_tokens)
+            )
             h.decision = d
             if d.action is Action.HOLD:
                 ahead = ahead or d.reason

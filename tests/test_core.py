@@ -50,8 +50,16 @@ def check(d: Decision, name: str) -> Check:
     return next(c for c in d.checks if c.name == name)
 
 
+LIMIT = {
+    "prompt + max_new_tokens > context": "context",
+    "larger than KV pool": "kv_pool",
+    "more Mamba slots than the pool has": "mamba_slots",
+    "transient larger than the lane frees": "transient",
+}
+
+
 def unfit(note: str, need: float, have: float) -> tuple[Check, ...]:
-    return (Check("unfit_request", False, need, have, note),)
+    return (Check("unfit_request", False, need, have, note, LIMIT[note]),)
 
 
 # -- unfit_request ------------------------------------------------------------------------------------
@@ -62,7 +70,7 @@ def test_context_bound_is_prompt_plus_output_and_exactly_the_context_fits() -> N
     d = judge(r, ask(r, 90_000, max_new_tokens=20_000))
     assert (d.action, d.reason) == (Action.REJECT, Reason.UNFIT_REQUEST)
     assert d.checks == unfit("prompt + max_new_tokens > context", 110_000, 100_000)
-    assert d.retry_after_s == 60  # retrying will not help: the maximum
+    assert d.retry_after_s is None  # no wait will help
     assert judge(r, ask(r, 90_000, max_new_tokens=10_000)).admitted  # 100,000: exactly the context
     # A prompt that fills the context leaves no room for one token.
     assert judge(r, ask(r, 100_000)).checks == unfit("prompt + max_new_tokens > context", 100_000, 100_000)
@@ -78,7 +86,7 @@ def test_engine_reported_pool_wins_and_the_reserve_counts() -> None:
     r = rules(lane__context_len=1_000_000, kv__reserve_tokens=1000)
     snap = with_engine(snapshot(NOW), max_total_tokens=40_000, kv_available_tokens=40_000)
     assert judge(r, ask(r, 39_000), snap).admitted  # 40,000 - 1,000: exactly fits
-    assert judge(r, ask(r, 39_001), snap).checks == unfit("larger than KV pool", 39_001, 40_000)
+    assert judge(r, ask(r, 39_001), snap).checks == unfit("larger than KV pool", 39_001, 39_000)
 
 
 def test_policy_pool_is_the_fallback_when_the_engine_reports_none() -> None:
@@ -101,15 +109,13 @@ def test_more_mamba_slots_than_the_pool_is_unfit() -> None:
     r = rules(**MAMBA)
     assert judge(r, ask(r, 10, samples=50)).admitted  # 51 - 1 reserved
     d = judge(r, ask(r, 10, samples=51))
-    assert d.checks == unfit("more Mamba slots than the pool has", 51, 51)
+    assert d.checks == unfit("more Mamba slots than the pool has", 51, 50)
 
 
 def test_engine_reported_mamba_pool_wins() -> None:
     r = rules(**MAMBA)
     snap = with_engine(snapshot(NOW), mamba_used_slots=0, mamba_available_slots=10, mamba_evictable_slots=0)
-    assert judge(r, ask(r, 10, samples=10), snap).checks == unfit(
-        "more Mamba slots than the pool has", 10, 10
-    )
+    assert judge(r, ask(r, 10, samples=10), snap).checks == unfit("more Mamba slots than the pool has", 10, 9)
 
 
 def test_transient_cap_boundary() -> None:
@@ -360,28 +366,25 @@ def test_hold_deadline_and_queue_bounds() -> None:
 def test_retry_after_estimates_the_prefill_ahead() -> None:
     r = rules()  # 1,000 prefill tokens/s, retry 1..60 s
     s = Situation(r, with_engine(snapshot(NOW), pending_prefill_tokens=5000), LedgerTotals(), NOW)
-    assert retry_after_s(ask(r, 1000), s, Reason.QUEUE_FULL) == 6
+    assert retry_after_s(s, Reason.QUEUE_FULL, 1000) == 6
     s = replace(s, ledger=LedgerTotals(requests=1, sequences=1, prefill_tokens=9000))
-    assert retry_after_s(ask(r, 1000), s, Reason.QUEUE_FULL) == 10  # the ledger knows more than the gauge
-    assert (
-        retry_after_s(ask(r, 0), replace(s, snapshot=Snapshot(), ledger=LedgerTotals()), Reason.QUEUE_FULL)
-        == 1
-    )
-    assert retry_after_s(ask(r, 1000), replace(s, snapshot=Snapshot()), Reason.SIGNALS_STALE) == 10
-    assert (
-        retry_after_s(
-            ask(r, 10), replace(s, snapshot=Snapshot(), ledger=LedgerTotals()), Reason.SIGNALS_STALE
-        )
-        == 5
-    )
-    assert retry_after_s(ask(r, 10), s, Reason.UNFIT_REQUEST) == 60
-    assert retry_after_s(ask(r, 10_000_000), s, Reason.QUEUE_FULL) == 60
+    assert retry_after_s(s, Reason.QUEUE_FULL, 1000) == 10  # the ledger knows more than the gauge
+    assert retry_after_s(replace(s, held_tokens=2000), Reason.QUEUE_FULL, 1000) == 12  # held in front
+    assert retry_after_s(replace(s, prefill_tokens_per_s=2000.0), Reason.QUEUE_FULL, 1000) == 5  # measured
+    blind = replace(s, snapshot=Snapshot(), ledger=LedgerTotals())
+    assert retry_after_s(blind, Reason.QUEUE_FULL, 0) == 1
+    assert retry_after_s(replace(s, snapshot=Snapshot()), Reason.SIGNALS_STALE, 1000) == 10
+    assert retry_after_s(blind, Reason.SIGNALS_STALE, 10) == 5
+    assert retry_after_s(blind, Reason.ENGINE_UNAVAILABLE, 10) == 5
+    assert retry_after_s(s, Reason.UNFIT_REQUEST, 10) is None
+    assert retry_after_s(s, Reason.QUEUE_FULL, 10_000_000) == 60
+    assert retry_after_s(replace(s, rules=rules(hold__retry_after_min_s=3)), Reason.DRAINING) == 3
     # Unknown is not 1: no pending tokens reported, none booked, 1,000 own tokens at 1,000/s is 1 s.
     quiet = replace(
         s, snapshot=with_engine(snapshot(NOW), pending_prefill_tokens=None), ledger=LedgerTotals()
     )
-    assert retry_after_s(ask(r, 1000), quiet, Reason.QUEUE_FULL) == 1
-    assert retry_after_s(ask(r, 1000), replace(quiet, snapshot=Snapshot()), Reason.QUEUE_FULL) == 1
+    assert retry_after_s(quiet, Reason.QUEUE_FULL, 1000) == 1
+    assert retry_after_s(replace(quiet, snapshot=Snapshot()), Reason.QUEUE_FULL, 1000) == 1
 
 
 def test_only_a_rejection_carries_retry_after() -> None:
@@ -496,10 +499,13 @@ def test_ledger_totals_and_idempotent_release() -> None:
         Charge(prefill_tokens=100, kv_tokens=120, projected_bytes=5, mamba_slots=2, sequences=3)
     )
     b = ledger.charge(Charge(prefill_tokens=10, kv_tokens=12, projected_bytes=1, mamba_slots=1, sequences=1))
-    assert ledger.totals == LedgerTotals(2, 4, 110, 132, 6, 3) and len(ledger) == 2
+    assert ledger.totals == LedgerTotals(2, 4, 110, 132, 6, 3, 2, 3) and len(ledger) == 2
+    assert ledger.prefill_done(a) is True
+    assert ledger.prefill_done(a) is False
+    assert ledger.totals == LedgerTotals(1, 1, 10, 12, 1, 1, 2, 3)  # a still runs, with its 2 Mamba slots
     assert ledger.release(a) is True
     assert ledger.release(a) is False
-    assert ledger.totals == LedgerTotals(1, 1, 10, 12, 1, 1)
+    assert ledger.totals == LedgerTotals(1, 1, 10, 12, 1, 1, 1, 1)
     assert ledger.release(b) and ledger.totals == LedgerTotals()
 
 
