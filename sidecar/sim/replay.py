@@ -307,6 +307,7 @@ class Driver:
                 "engine_queue",
                 "running",
                 "held",
+                "other_process_bytes",
             )
         }
         self.crashes: list[dict[str, Any]] = []
@@ -480,6 +481,7 @@ class Driver:
         s["mamba_usage"].append(round(live.mamba_usage, 4) if live and self.profile.mamba_slots else None)
         s["engine_queue"].append(live.num_queue_reqs if live else 0)
         s["running"].append(live.num_running_reqs if live else 0)
+        s["other_process_bytes"].append(self.engine.other_process_bytes)
         self.at(self.t + SAMPLE_S, self._sample, True)
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -651,6 +653,23 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot_path_problem(out: str) -> str | None:
+    """Why a picture cannot be written to ``out`` (checked before an hour of replay), or None."""
+    import os
+
+    p = Path(out)
+    if p.is_dir():
+        return "is a directory; give a file name such as night.png"
+    if p.suffix.lower() not in (".png", ".svg", ".pdf"):
+        return "the picture's name must end in .png, .svg or .pdf"
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"directory {parent} is not writable"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     path = Path(args.scenario)
     try:
@@ -670,6 +689,9 @@ def main(args: argparse.Namespace) -> int:
     except KeyError as e:
         print(f"replay: {e.args[0]}", file=sys.stderr)
         return 2
+    if args.plot and (problem := plot_path_problem(args.plot)):
+        print(f"replay: --plot {args.plot}: {problem}", file=sys.stderr)
+        return 2
     seed = scenario.seed if args.seed is None else args.seed
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.gate]
     results: dict[str, dict[str, Any]] = {}
@@ -684,6 +706,15 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         from sidecar.sim.plot import plot_replay
 
-        plot_replay(results, args.plot, title=f"{scenario.name} ({profile.name}, seed {seed})")
+        try:
+            plot_replay(
+                results,
+                args.plot,
+                title=f"{scenario.name} ({profile.name}, seed {seed})",
+                policy=policy.policy,
+            )
+        except OSError as e:
+            print(f"replay: --plot {args.plot}: cannot write the picture: {e.strerror or e}", file=sys.stderr)
+            return 2
         print(f"wrote {args.plot}")
     return 0
