@@ -40,7 +40,9 @@ async def test_the_emulator_logs_its_crash_and_its_restart(caplog: pytest.LogCap
     assert "CUDA out of memory. Tried to allocate" in text  # the engine's own message
     assert "tried to allocate" in text and "MiB free" in text
     # A lone 500K prompt dies mid-prefill: not yet running, the rest of it still pending.
-    assert re.search(r"state at the crash: 0 running, 0 queued, [\d,]+ pending prefill tokens, token usage", text)
+    assert re.search(
+        r"state at the crash: 0 running, 0 queued, [\d,]+ pending prefill tokens, token usage", text
+    )
     assert "1 requests failed" in text and "new ones refused" in text
     assert "back in 60 s of engine time (0.6 s wall at --speed 100)" in text
     fields = crash.fields  # type: ignore[attr-defined]
