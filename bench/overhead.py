@@ -206,7 +206,8 @@ async def wait_up(url: str, deadline_s: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[str, Server]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_METRICS_REPEAT": str(args.metrics_repeat)}
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "BENCH_METRICS_REPEAT": str(args.metrics_repeat)}
     up = Server("direct", f"http://127.0.0.1:{free_port()}")
     ng = Server("nginx", f"http://127.0.0.1:{free_port()}")
     sc = Server("sidecar", f"http://127.0.0.1:{free_port()}")
