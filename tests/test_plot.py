@@ -61,7 +61,8 @@ def test_the_tail_is_trimmed_and_no_empty_decision_panel(neighbour) -> None:  # 
 def test_policy_limits_neighbour_memory_and_integer_counts_are_drawn(neighbour) -> None:  # type: ignore[no-untyped-def]
     _, _, fig = neighbour
     memory, usage, queues = fig.axes[1], fig.axes[3], fig.axes[5]  # the gated column
-    assert any(label.startswith("reserve (128 MiB)") for label in labels(memory))
+    # The reserve's figure is the policy's (calibrated); the label names it.
+    assert any(label.startswith("reserve (") and "MiB)" in label for label in labels(memory))
     assert "other processes on the card" in labels(memory)
     assert "other processes on the card" in labels(fig.axes[0])
     assert {"kv.max_usage 0.95", "mamba.max_usage 0.9"} <= labels(usage)
