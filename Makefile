@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # promtool, prometheus, systemd-analyze for the deployment tests (scripts/tools.sh says how)
 TOOLS := .tools/bin/.installed
+# pytest-xdist workers for `make test` (the suite is mostly waiting on real servers; 2 fits CI's 2 cores)
+TEST_JOBS ?= 2
 
 .PHONY: demo test lint venv tools clean bench-overhead bench-admission mutation soak
 
@@ -27,7 +29,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(TOOLS)
 	$(BIN)/ruff check sidecar tests bench grafana
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS)
 
 # Proxy overhead against nginx and direct (bench/overhead.py); ARGS="--quick" for a two-minute run.
 # nginx and wrk come from Debian's packages, extracted into .tools/ when they are not installed.
