@@ -17,6 +17,7 @@ charge, its place in the queue), so no path can leak.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 from collections.abc import Callable
@@ -99,7 +100,6 @@ class Handle:
         "_key",
         "_on_done",
         "_owner",
-        "_timer",
         "decision",
         "demand",
         "outcome",
@@ -121,7 +121,6 @@ class Handle:
         self._key: int | None = None  # the ledger entry, while charged
         self._held = False
         self._on_done: Callable[[Handle], None] | None = None
-        self._timer: Timer | None = None
 
     @property
     def admitted(self) -> bool:
@@ -156,7 +155,9 @@ class Handle:
 
 @dataclass(slots=True)
 class _Queue:
-    """Priority then arrival. Removal is lazy (a handle that left is no longer ``held``): O(1)."""
+    """Priority then arrival, kept sorted as handles arrive (a newcomer of its priority lands at the
+    end of it: a bisection and an append), so a pump walks it in order without sorting it again.
+    Removal is lazy (a handle that left is no longer ``held``): O(1)."""
 
     heap: list[Handle] = field(default_factory=list)
     live: int = 0
@@ -164,19 +165,18 @@ class _Queue:
     tokens: int = 0
 
     def push(self, h: Handle) -> None:
-        heapq.heappush(self.heap, h)
+        bisect.insort(self.heap, h)
         self.live += 1
         self.tokens += h.demand.uncached_tokens if h.demand else 0
 
     def ordered(self) -> list[Handle]:
         if len(self.heap) > 2 * self.live + 16:
             self.heap = [h for h in self.heap if h.held]
-            heapq.heapify(self.heap)
-        return sorted(h for h in self.heap if h.held)
+        return [h for h in self.heap if h.held]
 
     def head(self) -> Handle | None:
         while self.heap and not self.heap[0].held:
-            heapq.heappop(self.heap)
+            del self.heap[0]
         return self.heap[0] if self.heap else None
 
 
@@ -201,6 +201,11 @@ class Admission:
         self.draining = False
         self._queue = _Queue()
         self._seq = count()
+        # Deadlines of held handles, earliest first, behind one timer at the earliest (not a timer per
+        # waiter). Entries of handles that left, or were priced again, are dropped when they surface.
+        self._deadlines: list[tuple[float, int, Handle]] = []
+        self._timer: Timer | None = None
+        self._timer_at: float | None = None
         self._pumping = False
         self._repump = False
 
@@ -335,25 +340,37 @@ class Admission:
     def _arm(self, h: Handle) -> None:
         """The handle's deadline, on the clock that measures it (the decision times it out)."""
         assert h.demand is not None
-        if h._timer is not None:
-            h._timer.cancel()
-        h._timer = self.clock.call_at(h.demand.deadline, lambda: self._deadline(h))
+        heapq.heappush(self._deadlines, (h.demand.deadline, next(self._seq), h))
+        self._schedule()
 
-    def _deadline(self, h: Handle) -> None:
-        """A timer fired. A loop may fire a hair early (its own resolution): then wait the rest."""
-        h._timer = None
-        if h.held and h.demand is not None and self.clock.now() < h.demand.deadline:
-            self._arm(h)
-        else:
-            self.pump()
+    def _schedule(self) -> None:
+        """The one deadline timer, at the earliest deadline of a handle still held (none when none is)."""
+        dl = self._deadlines
+        while dl and not _due_entry(dl[0]):
+            heapq.heappop(dl)
+        when = dl[0][0] if dl else None
+        if when == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, when
+        if when is not None:
+            self._timer = self.clock.call_at(when, self._deadline)
+
+    def _deadline(self) -> None:
+        """The timer fired: pump (the decision times out whoever's deadline has come; a loop may fire a
+        hair early, and then nobody yet), then time the next deadline."""
+        self._timer = self._timer_at = None
+        self.pump()
+        self._schedule()
 
     def _leave_queue(self, h: Handle) -> None:
         h._held = False
         self._queue.live -= 1
         self._queue.tokens -= h.demand.uncached_tokens if h.demand else 0
-        if h._timer is not None:
-            h._timer.cancel()
-            h._timer = None
+        assert h.demand is not None
+        if h.demand.deadline == self._timer_at:
+            self._schedule()  # it was the one timed: time the next (or none)
 
     def _ahead_of(self, sort_key: tuple[int, int]) -> Reason | None:
         """The reason the first request held ahead of one with this key is waiting, if there is one."""
@@ -404,3 +421,9 @@ class Admission:
             if measured and h.decision is not None:
                 self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())
             self.pump()
+
+
+def _due_entry(entry: tuple[float, int, Handle]) -> bool:
+    """A deadline entry still stands: its handle is held, at that deadline (not priced again since)."""
+    deadline, _, h = entry
+    return h.held and h.demand is not None and h.demand.deadline == deadline

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import IO, TYPE_CHECKING, Any
 
+import orjson
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -208,7 +209,7 @@ class Telemetry:
         # The record is built only when something writes it.
         if self._writer is not None:
             fields = decision_record(d, cost, waited_s, ledger, self.context())
-            self._writer.put(json.dumps(fields, separators=(",", ":")))
+            self._writer.put(_line(fields))
         elif log.isEnabledFor(logging.INFO):
             # Through the process's log pipeline (sidecar.logs): its format, its bounded queue.
             fields = decision_record(d, cost, waited_s, ledger, self.context())
@@ -253,6 +254,16 @@ def register_process_metrics(registry: CollectorRegistry) -> None:
 
 def sidecar_version() -> str:
     return __version__
+
+
+def _line(fields: dict[str, Any]) -> str:
+    """One compact JSON line: orjson (~10x the standard encoder on this per-decision record; issue
+    #12's profile had `json.dumps` at ~5 % of a gated request's CPU), the standard one for what orjson
+    refuses (an integer past 64 bits, say)."""
+    try:
+        return orjson.dumps(fields).decode()
+    except TypeError:
+        return json.dumps(fields, separators=(",", ":"))
 
 
 def decision_record(

@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,12 +45,15 @@ HOP_BY_HOP = frozenset(
     b"proxy-authenticate proxy-authorization".split()
 )
 _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
+_DROP_REQUEST_KEEP_LENGTH = _DROP_REQUEST - {b"content-length"}
 # uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
 _DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
 PARSE_IN_THREAD_BYTES = 256 * 1024
 # A client's X-Request-Id is kept when it looks like an id (what routers and SDKs send); anything else
 # is replaced, so a header cannot smuggle text into logs.
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:@/+=-]{1,128}$")
+# Its own generator, seeded from the OS at import: request ids do not follow anyone's `random.seed`.
+_random_bits = random.Random().getrandbits
 
 
 class ClientGone(Exception):
@@ -303,14 +306,16 @@ async def _acquire(handle: Handle, demand: Demand) -> bool:
     ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or a
     release pumped the queue before this task woke), or leaves the queue if not.
     """
-    loop = asyncio.get_running_loop()
-    answered: asyncio.Future[None] = loop.create_future()
+    answered: asyncio.Future[None] | None = None
 
     def on_done(h: Handle) -> None:
-        if not answered.done():
+        if answered is not None and not answered.done():
             answered.set_result(None)
 
+    # Nothing can answer a held handle between `submit` and the future's creation (no await between):
+    # the future is made only for the few requests that wait.
     if handle.submit(demand, on_done) is Action.HOLD:
+        answered = asyncio.get_running_loop().create_future()
         await answered
     return handle.admitted
 
@@ -408,37 +413,46 @@ class _PassThroughBody:
 async def _until_disconnect(
     work: Awaitable[None], receive: Receive, after: asyncio.Event | None = None
 ) -> None:
-    """Run ``work``; if the client disconnects first, cancel it (its finally blocks do the cleanup).
+    """Run ``work`` in this task; if the client disconnects first, cancel it (its finally blocks do the
+    cleanup) and return.
 
     ``after``: start listening only once this is set (the request body is still being read).
+    The work runs in the caller's own task and one listener task watches ``receive``: no second task
+    per request, no ``asyncio.wait`` and no extra loop turn before the work starts (all three were on
+    every request's path; issue #12). Awaited in place, the work has started before anything can
+    cancel it, so its own cleanup always runs.
     """
-    task = asyncio.ensure_future(work)
-    # Let the task take its first step before anything can cancel it: a coroutine cancelled before it
-    # starts runs none of its own cleanup, and its outcome would go unrecorded.
-    await asyncio.sleep(0)
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
 
     async def listen() -> None:
+        nonlocal gone
         if after is not None:
             await after.wait()
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
+                gone = True
                 task.cancel()
                 return
 
-    listener = asyncio.ensure_future(listen())
+    listener = asyncio.get_running_loop().create_task(listen())
     try:
-        await asyncio.wait((task,), return_when=asyncio.FIRST_COMPLETED)
+        await work
+    except asyncio.CancelledError:
+        # Ours (the client left) unless someone else cancelled this task too (a shutdown): theirs goes on.
+        if gone and task.uncancel() == 0:
+            return
+        raise
     finally:
         listener.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.cancelled() and task.exception() is not None:
-        raise task.exception()  # type: ignore[misc]
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """32 random hex digits, like a uuid4's: an id for logs, not a secret, so the process's seeded PRNG
+    serves (``uuid.uuid4`` costs a system call and an object per request)."""
+    return f"{_random_bits(128):032x}"
 
 
 def _client_request_id(scope: Scope) -> str | None:
@@ -473,9 +487,12 @@ def _headers_dict(scope: Scope) -> dict[str, str]:
 
 def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[str]:
     """End-to-end headers only. ``keep_length``: a relayed body keeps the client's Content-Length."""
-    named = _connection_named(scope["headers"])
-    drop = _DROP_REQUEST - {b"content-length"} if keep_length else _DROP_REQUEST
-    return CIMultiDict((k, v) for raw, k, v in _decoded(scope) if raw not in drop and raw not in named)
+    drop = _DROP_REQUEST_KEEP_LENGTH if keep_length else _DROP_REQUEST
+    raw = scope["headers"]
+    # ASGI header names are lower-case; the `Connection` options are parsed only when one is sent.
+    if any(k == b"connection" for k, _ in raw):
+        drop = drop | _connection_named(raw)
+    return CIMultiDict([(k, v) for name, k, v in _decoded(scope) if name not in drop])
 
 
 def _header_problem(scope: Scope) -> Response | None:
@@ -498,15 +515,19 @@ def _header_problem(scope: Scope) -> Response | None:
 
 
 def _response_headers(raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b"") -> list[tuple[bytes, bytes]]:
-    named = _connection_named(raw)
     out = []
+    connection = False
     for k, v in raw:
         k = k.lower()
-        if k in _DROP_RESPONSE or k in named:
+        if k in _DROP_RESPONSE:
+            connection = connection or k == b"connection"
             continue
         if k in _LOCATION_HEADERS and origin:
             v = _local_location(v, origin)
         out.append((k, v))
+    if connection:  # rare: drop what its options name too (one pass for everyone else)
+        named = _connection_named(raw)
+        out = [h for h in out if h[0] not in named]
     return out
 
 

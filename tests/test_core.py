@@ -766,3 +766,82 @@ def test_a_long_cascade_of_callbacks_stays_iterative(clock: ManualClock) -> None
         a.open().submit(one_mib(a), lambda h: (done.append(h), h.end(Outcome.COMPLETED)))
     first.end(Outcome.COMPLETED)
     assert len(done) == 1500 and a.held == 0 and a.ledger.totals == LedgerTotals()
+
+
+# -- the hold queue's one deadline timer (issue #12: not a timer per waiter) -------------------------
+
+
+def timed_out(h: Handle) -> bool:
+    return (
+        h.outcome is Outcome.REJECTED and h.decision is not None and h.decision.reason is Reason.HOLD_TIMEOUT
+    )
+
+
+def test_one_timer_times_many_waiters_earliest_deadline_first(clock: ManualClock) -> None:
+    a, _ = lane(clock, free_mib=0)
+    late = submit(a, one_mib(a))  # deadline +30
+    early = submit(a, demand.build(a.rules, 1000, arrived_at=clock() - 10))  # arrived earlier: +20
+    third = submit(a, one_mib(a))
+    assert clock.pending == 1, "one timer for the whole queue"
+    clock.advance(19.99)
+    assert early.held and late.held
+    clock.advance(0.01)
+    assert timed_out(early) and late.held and third.held and clock.pending == 1
+    clock.advance(10)
+    assert timed_out(late) and timed_out(third) and clock.pending == 0
+
+
+def test_the_timed_waiter_leaving_moves_the_timer_to_the_next(clock: ManualClock) -> None:
+    a, _ = lane(clock, free_mib=0)
+    first = submit(a, one_mib(a))  # deadline +30
+    clock.advance(5)
+    second = submit(a, one_mib(a))  # deadline +35
+    first.end(Outcome.CLIENT_GONE)
+    assert clock.pending == 1
+    clock.advance(29.99)
+    assert second.held
+    clock.advance(0.01)
+    assert timed_out(second) and clock.pending == 0
+    assert a.held == 0
+
+
+def test_a_waiter_leaving_behind_the_timed_one_keeps_the_timer(clock: ManualClock) -> None:
+    a, _ = lane(clock, free_mib=0)
+    first = submit(a, one_mib(a))
+    clock.advance(5)
+    second = submit(a, one_mib(a))
+    second.end(Outcome.CLIENT_GONE)
+    assert clock.pending == 1
+    clock.advance(25)
+    assert timed_out(first) and clock.pending == 0
+
+
+@pytest.mark.parametrize("wait_s", [10.0, 60.0])
+def test_a_reload_retimes_held_requests_to_their_new_deadline(clock: ManualClock, wait_s: float) -> None:
+    a, _ = lane(clock, free_mib=0)  # held under max_wait_s 30, then priced again under wait_s
+    held = [submit(a, one_mib(a)) for _ in range(3)]
+    a.reload(small_policy(hold__max_wait_s=wait_s))
+    assert clock.pending == 1
+    clock.advance(wait_s - 0.01)
+    assert all(h.held for h in held), "timed out before its new deadline (at the old one, if later)"
+    clock.advance(0.01)
+    assert all(timed_out(h) for h in held) and clock.pending == 0
+
+
+def test_the_queue_walks_in_priority_then_arrival_order_after_the_head_left(clock: ManualClock) -> None:
+    a, _ = lane(clock, free_mib=0)
+    first = submit(a, one_mib(a, "first"))
+    low = submit(a, one_mib(a, "low", priority=5))
+    high = submit(a, one_mib(a, "high", priority=-5))
+    second = submit(a, one_mib(a, "second"))
+    high.end(Outcome.CLIENT_GONE)
+    later = submit(a, one_mib(a, "later"))  # reads the head (which left) for its strict-order wait
+    admitted: list[str] = []
+    for h in (first, low, second, later):
+        h._on_done = lambda h: admitted.append(h.demand.request_id)  # type: ignore[union-attr]
+    a.update_snapshot(snapshot(clock(), free_bytes=100 * MIB))
+    low_first = a.rules.hold.low_priority_values_first
+    assert admitted == (
+        ["first", "second", "later", "low"] if low_first else ["low", "first", "second", "later"]
+    )
+    assert a.held == 0
