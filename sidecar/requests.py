@@ -38,12 +38,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from sidecar.idscan import CountedIds, find_ids
 from sidecar.priority import OPEN, PriorityBounds
 from sidecar.responses import error_object
 
@@ -81,6 +83,12 @@ _MEDIA_KEYS = ("image_data", "video_data", "audio_data")
 MAX_INT = 2**63 - 1
 # Nesting the generic prompt walk follows before it calls a body malformed.
 _MAX_WALK_DEPTH = 32
+# From this size on, a flat `input_ids` array is counted in the raw bytes (sidecar.idscan) instead of
+# decoded into Python ints; below it, decoding is cheaper than a second pass.
+LIFT_IDS_BYTES = 256 * 1024
+# What stands in for the lifted array while the rest of the body is decoded: a string no client sends.
+_LIFTED = "\u0000sidecar: input_ids counted in the raw body " + secrets.token_hex(8)
+_LIFTED_JSON = orjson.dumps(_LIFTED)
 _EXPLAIN_KEYS = frozenset({"prompt_tokens", "max_new_tokens", "cached_tokens", "prefix_key", "priority"})
 
 
@@ -152,7 +160,8 @@ class GenerationRequest:
     rids: tuple[str, ...] = ()
     model: str | None = None
     prompt_text: str | None = None
-    prompt_token_ids: list[int] | None = None
+    # A list, or for a large body a CountedIds (its length only: the ids were never decoded).
+    prompt_token_ids: list[int] | CountedIds | None = None
     messages: list[Any] | None = None
     # Chat `tools`: rendered into the prompt by the chat template, so they cost tokens too.
     tools: list[Any] | None = None
@@ -219,8 +228,11 @@ def parse_generation(
     Parsing a 32 MB body takes tens of milliseconds; a proxy that must not stall its event loop for
     that long can call this through ``asyncio.to_thread`` (it is pure and thread-safe).
     """
-    obj = _load_object(body, max_body_bytes)
+    obj = _lifted(body) if len(body) >= LIFT_IDS_BYTES and len(body) <= max_body_bytes else None
+    obj = obj or _load_object(body, max_body_bytes)
     kind = shape or endpoint_kind(path) or _kind_from_keys(obj)
+    if isinstance(obj.get("input_ids"), CountedIds) and kind not in ("generate", "embedding"):
+        obj = _load_object(body, max_body_bytes)  # a shape that reads input_ids otherwise, if at all
     if kind is None:
         raise BadRequest(
             400,
@@ -279,6 +291,24 @@ def _fast_loads(body: bytes) -> Any:
     """orjson first: ~3x json.loads on a 500K-id body (39 vs 109 ms here), and these parsers hold the
     GIL, so the event loop waits for them even when they run in a worker thread."""
     return orjson.loads(body)
+
+
+def _lifted(body: bytes) -> dict[str, Any] | None:
+    """The body decoded with its top-level flat ``input_ids`` counted, not decoded (sidecar.idscan);
+    None when it has no such array (or anything is unusual: the full parser then decides)."""
+    found = find_ids(body)
+    if found is None:
+        return None
+    start, end, n = found
+    try:
+        obj = orjson.loads(body[:start] + _LIFTED_JSON + body[end:])
+    except orjson.JSONDecodeError:
+        return None
+    # The array found must be the top-level key's (not a nested one's, not a duplicate's).
+    if not isinstance(obj, dict) or obj.get("input_ids") != _LIFTED:
+        return None
+    obj["input_ids"] = CountedIds(n)
+    return obj
 
 
 def _load_object(body: bytes, max_body_bytes: int) -> dict[str, Any]:
@@ -444,7 +474,7 @@ def _text(value: str, where: str) -> str:
 @dataclass(slots=True)
 class _Prompt:
     text: str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | CountedIds | None = None
     batch_texts: tuple[str, ...] = ()
     batch_token_ids: tuple[list[int], ...] = ()
     n_texts: int = 1
@@ -653,9 +683,12 @@ def _generate(obj: dict[str, Any], common: dict[str, Any], declared: bool) -> Ge
         embeds_tokens, prompt.n_texts = _input_embeds(obj["input_embeds"])
     elif obj.get("input_ids") is not None:
         value = obj["input_ids"]
-        if not isinstance(value, list):
+        if isinstance(value, CountedIds):
+            prompt = _Prompt(token_ids=value)
+        elif not isinstance(value, list):
             raise _wrong("input_ids", "a list of token ids or a list of token-id lists", value)
-        prompt = _text_or_ids(value, "input_ids", allow_ids=True)
+        else:
+            prompt = _text_or_ids(value, "input_ids", allow_ids=True)
     elif obj.get("text") is not None:
         prompt = _text_or_ids(obj["text"], "text", allow_ids=False)
     elif not declared:

@@ -4,12 +4,16 @@ and a message that says what was wrong and where."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from sidecar import idscan
+from sidecar.idscan import CountedIds, find_ids
 from sidecar.requests import (
     DEFAULT_MAX_BODY_BYTES,
+    LIFT_IDS_BYTES,
     BadRequest,
     GenerationRequest,
     endpoint_kind,
@@ -967,3 +971,99 @@ def test_bodies_the_fast_parser_refuses_are_decided_by_the_standard_one(body: by
     so the sidecar must too."""
     req = parse_generation("/generate", body, max_body_bytes=1 << 20)
     assert req.prompt_text is not None and req.prompt_text.startswith(("a", "h", "x"))
+
+
+# -- a large flat input_ids array is counted in the raw bytes, not decoded (sidecar.idscan) ---------
+
+BIG = 60_000  # ids: a body past requests.LIFT_IDS_BYTES (~7 bytes an id with ", ")
+
+
+def big_ids(n: int = BIG) -> list[int]:
+    return [(i * 7919) % 151_000 for i in range(n)]
+
+
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_a_large_input_ids_body_is_counted_without_decoding_the_ids(separators: tuple[str, str]) -> None:
+    obj = {
+        "rid": "r1",
+        "input_ids": big_ids(),
+        "sampling_params": {"max_new_tokens": 16, "n": 2},
+        "stream": True,
+    }
+    body = json.dumps(obj, separators=separators).encode()
+    assert len(body) >= LIFT_IDS_BYTES
+    req = parse_generation("/generate", bytearray(body), max_body_bytes=LIMIT)
+    assert isinstance(req.prompt_token_ids, CountedIds) and len(req.prompt_token_ids) == BIG
+    assert (req.rid, req.stream, req.max_new_tokens, req.parallel_samples) == ("r1", True, 16, 2)
+    small = parse_generation(
+        "/generate", json.dumps({**obj, "input_ids": [1, 2]}).encode(), max_body_bytes=LIMIT
+    )
+    assert replace(req, prompt_token_ids=None, body_obj={}) == replace(
+        small, prompt_token_ids=None, body_obj={}
+    )
+
+
+@pytest.mark.parametrize(
+    ("ids", "code", "where"),
+    [
+        ([*big_ids(), -3], "invalid_field", f"input_ids[{BIG}]"),
+        ([*big_ids(), 2.5], "invalid_field", f"input_ids[{BIG}]"),
+        ([*big_ids(), "x"], "invalid_field", f"input_ids[{BIG}]"),
+    ],
+)
+def test_a_large_input_ids_body_that_is_not_plain_ids_gets_the_full_parsers_answer(
+    ids: list[Any], code: str, where: str
+) -> None:
+    with pytest.raises(BadRequest) as e:
+        parse_generation("/generate", json.dumps({"input_ids": ids}).encode(), max_body_bytes=LIMIT)
+    assert e.value.code == code and e.value.param == where
+
+
+def test_a_large_batch_of_id_lists_and_a_nested_input_ids_key_are_decoded_in_full() -> None:
+    batch = parse_generation(
+        "/generate", json.dumps({"input_ids": [big_ids(), [1, 2]]}).encode(), max_body_bytes=LIMIT
+    )
+    assert [len(ids) for ids in batch.batch_token_ids] == [BIG, 2]
+    nested = {"sampling_params": {"input_ids": [1, 2, 3]}, "input_ids": big_ids()}
+    req = parse_generation("/generate", json.dumps(nested).encode(), max_body_bytes=LIMIT)
+    assert len(req.prompt_token_ids or []) == BIG
+    twice = json.dumps({"input_ids": big_ids()})[:-1] + ', "input_ids": [5, 6]}'  # the last one wins
+    assert (
+        len(parse_generation("/generate", twice.encode(), max_body_bytes=LIMIT).prompt_token_ids or []) == 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("array", "found"),
+    [
+        (b"[1,2,3]", 3),
+        (b"[ 1 ,\n 2\t]", 2),
+        (b"[0]", 1),
+        (b"[]", None),
+        (b"[1,,2]", None),
+        (b"[,1]", None),
+        (b"[1,2,]", None),
+        (b"[1 2]", None),
+        (b"[1,-2]", None),
+        (b"[1e3]", None),
+        (b"[[1],[2]]", None),
+    ],
+)
+def test_the_id_scan_counts_plain_id_arrays_and_refuses_the_rest(array: bytes, found: int | None) -> None:
+    body = b'{"input_ids": ' + array + b', "stream": false}'
+    got = find_ids(body)
+    assert (got[2] if got else None) == found
+    if got is not None:
+        assert body[got[0] : got[1]] == array
+
+
+def test_the_id_scan_counts_an_id_split_by_its_window_edge_once() -> None:
+    ids = b",".join([b"123456789"] * (idscan.WINDOW // 5))
+    for pad in range(10):  # one of these puts a window edge inside an id
+        body = b'{"input_ids": [' + b" " * pad + ids + b"]}"
+        edge = body.index(b"[") + 1 + idscan.WINDOW
+        got = find_ids(body)
+        assert got is not None and got[2] == idscan.WINDOW // 5
+        if body[edge - 1 : edge + 1].isdigit():
+            return
+    raise AssertionError("no window edge fell inside an id")

@@ -27,7 +27,7 @@ from sidecar.clock import LoopClock
 from sidecar.core.decision import Reason
 from sidecar.core.ledger import LedgerTotals
 from sidecar.observe import Telemetry
-from sidecar.proxy import Proxy, make_session
+from sidecar.proxy import Proxy, _Body, make_session
 from sidecar.tokens import PromptCounter
 from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot, submit
 from tests.harness import (
@@ -151,7 +151,7 @@ async def test_client_leaving_as_the_gate_admits_it_leaks_nothing() -> None:
         sent.append(msg)
 
     handle = a.open()
-    task = asyncio.create_task(proxy._gated(scope, json.dumps(gen()).encode(), send, handle))
+    task = asyncio.create_task(proxy._gated(scope, _Body(json.dumps(gen()).encode()), send, handle))
     await eventually(lambda: a.held == 1)
 
     task.cancel()  # what _until_disconnect's listener does when http.disconnect arrives
