@@ -360,21 +360,23 @@ async def read_body(
     for k, v in scope["headers"]:
         if k == b"content-length" and v.isdigit() and int(v) > limit:
             raise BadRequest.body_too_large(int(v), limit, **where)
-    # One growing buffer, not a list of chunks joined at the end: the join held every byte twice.
+    # One growing buffer, not a list of chunks joined at the end (the join held every byte twice).
+    # Not sized from Content-Length up front: a client could then make us allocate 32 MB by saying so.
     buf = bytearray()
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise ClientGone
         chunk = msg.get("body", b"")
-        if not buf and not msg.get("more_body", False):
+        more = msg.get("more_body", False)
+        if not buf and not more:
             if len(chunk) > limit:
                 raise BadRequest.body_too_large(len(chunk), limit, at_least=True, **where)
             return chunk  # the whole body in one message (every small request): no copy at all
         buf += chunk
         if len(buf) > limit:
             raise BadRequest.body_too_large(len(buf), limit, at_least=True, **where)
-        if not msg.get("more_body", False):
+        if not more:
             return buf
 
 
