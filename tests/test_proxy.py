@@ -285,3 +285,27 @@ async def test_the_parsed_request_is_dropped_once_the_stream_is_forwarded(tmp_pa
         engine.release.set()
         rest = b"".join([c async for c in chunks])
     assert b"[DONE]" in rest
+
+
+async def test_a_large_body_is_forwarded_whole_and_let_go_of_while_the_stream_runs(tmp_path: Path) -> None:
+    """500K-id-sized bodies live in the sidecar only until the engine has them: during the stream no
+    gated body is still held (issue #12: RSS per in-flight request), and the engine got every id."""
+    import gc
+
+    from sidecar.proxy import _Body
+
+    engine = FakeEngine(events=2)
+    ids = [(i * 7919) % 151_000 for i in range(60_000)]  # ~400 KB: counted in the raw bytes, streamed
+    async with (
+        lane(tmp_path, engine) as (url, _app, _),
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream("POST", url + "/generate", json={"input_ids": ids, "stream": True}) as r,
+    ):
+        chunks = r.aiter_bytes()
+        assert b'"i": 0' in await anext(chunks)
+        gc.collect()
+        bodies = [o for o in gc.get_objects() if isinstance(o, _Body)]
+        assert bodies and all(b.data is None for b in bodies), "a forwarded body is still referenced"
+        engine.release.set()
+        rest = b"".join([c async for c in chunks])
+    assert b"[DONE]" in rest and engine.arrived[-1]["input_ids"] == ids
