@@ -274,7 +274,8 @@ class Proxy:
                 headers=req_headers,
                 allow_redirects=False,
             ) as resp:
-                if (note := scope.get(ACCESS_NOTE)) is not None:
+                note = scope.get(ACCESS_NOTE)
+                if note is not None:
                     note["upstream_status"] = resp.status  # for the access log
                 headers = _response_headers(resp.raw_headers, self._origin)
                 if handle is not None:
@@ -283,13 +284,24 @@ class Proxy:
                 headers += extra_headers
                 await send({"type": "http.response.start", "status": resp.status, "headers": headers})
                 started = True
-                first = True
-                async for chunk in resp.content.iter_any():
-                    if first and handle is not None:
-                        handle.prefill_done(measured and resp.status == 200)
-                        self.on_first_byte(time.monotonic() - forwarded_at)
-                        first = False
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                # The chunks skip the access log's wrapper (it is told their total at the end).
+                send_chunk = note.get("raw_send", send) if note is not None else send
+                chunks = resp.content.iter_any()
+                relayed = 0
+                try:
+                    if handle is not None:
+                        async for chunk in chunks:
+                            handle.prefill_done(measured and resp.status == 200)
+                            self.on_first_byte(time.monotonic() - forwarded_at)
+                            relayed += len(chunk)
+                            await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
+                            break
+                    async for chunk in chunks:
+                        relayed += len(chunk)
+                        await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
+                finally:
+                    if note is not None:
+                        note["body_bytes"] = note.get("body_bytes", 0) + relayed
                 await send({"type": "http.response.body", "body": b""})
                 outcome = Outcome.COMPLETED
         except asyncio.CancelledError:
