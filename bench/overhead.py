@@ -249,7 +249,7 @@ def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[
         sc.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "bench" / "probed_sidecar.py"), "serve", "--upstream", up.url,
              "--listen", sc.url.removeprefix("http://"), "--policy", str(policy), "--gpu-source", gpu,
-             "--decision-log", os.devnull, "--log-level", "warning"],
+             "--decision-log", os.devnull, "--log-level", "warning", "--admin-listen", "127.0.0.1:0"],
             cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.sidecar),
         )  # fmt: skip
         procs.append(sc.proc)

@@ -3,6 +3,10 @@
 These are off the data path, so FastAPI's conveniences (validation, OpenAPI at /admission/docs) cost
 nothing that matters. ``/healthz`` never looks at the engine: a liveness probe that follows a
 dependency restarts the sidecar for the engine's outage.
+
+Two listeners serve them (SECURITY.md): the admin port (``--admin-listen``, loopback by default) all
+of ``ADMIN_PATHS`` and the probes; the data port, which every client reaches, only ``PROBE_PATHS``,
+built with ``public=True`` so that nothing there names a file or the engine's address.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from sidecar.tokens import PromptCounter
 
 log = logging.getLogger("sidecar.policy")
 
+# Served by both listeners: the kubelet probes the data port, an operator's script the admin one.
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+# The admin listener's own paths (and, with --admin-on-data-port, the data port's too).
 ADMIN_PATHS = frozenset(
     {
         "/admission/state",
@@ -37,8 +44,6 @@ ADMIN_PATHS = frozenset(
         "/admission/policy",
         "/admission/signals",
         "/admission/loads",
-        "/healthz",
-        "/readyz",
         "/metrics",
         "/admission/docs",
         "/admission/openapi.json",
@@ -63,12 +68,16 @@ def _err(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse(error_object(message, code), status)
 
 
-def state(app: Host) -> dict[str, Any]:
-    """The /admission/state contract: unknown values are null, never 0."""
+def state(app: Host, *, public: bool = False) -> dict[str, Any]:
+    """The /admission/state contract: unknown values are null, never 0.
+
+    ``public`` (the data port, with --admin-on-data-port): the policy's file path, the GPU source's
+    spec and the last errors (which name the engine's URL or a file) are null.
+    """
     a, now = app.admission, app.clock()
     snap, ledger = a.snapshot, a.ledger.totals
     e, g = snap.engine, snap.gpu
-    return {
+    out = {
         "mode": "shadow" if a.shadow else "enforce",
         # true only when started with --trust-emulator-sizes (load generation against the emulator):
         # a client's `emulator.prompt_tokens` then replaces the counted prompt.
@@ -144,9 +153,17 @@ def state(app: Host) -> dict[str, Any]:
             **app.policy_source.state(),
         },
     }
+    if public:
+        out["engine"]["last_error"] = out["gpu"]["last_error"] = out["gpu"]["source"] = None
+        out["policy"]["path"] = None
+        for key in ("last_reload", "last_failure"):
+            if out["policy"][key] is not None:
+                out["policy"][key] = out["policy"][key] | {"error": None}
+    return out
 
 
-def build_admin(app: Host, admin_token: str | None) -> FastAPI:
+def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> FastAPI:
+    """The admin app; ``public`` for the data port (see the module's docstring)."""
     api = FastAPI(
         title="sglang-sidecar admin",
         docs_url="/admission/docs",
@@ -166,7 +183,8 @@ def build_admin(app: Host, admin_token: str | None) -> FastAPI:
         if a.draining:
             problems.append("draining")
         if snap.engine_health.consecutive_failures:
-            problems.append(f"engine unreachable: {snap.engine_health.last_error}")
+            # The error names the engine's URL: on the data port, only that it is unreachable.
+            problems.append("engine unreachable" + ("" if public else f": {snap.engine_health.last_error}"))
         age = snap.engine_age(now)
         if age is None or age > a.policy.engine.max_age_s:
             problems.append("engine signals " + ("never read" if age is None else f"stale ({age:.1f}s)"))
@@ -178,7 +196,7 @@ def build_admin(app: Host, admin_token: str | None) -> FastAPI:
 
     @api.get("/admission/state")
     async def get_state() -> dict[str, Any]:
-        return state(app)
+        return state(app, public=public)
 
     @api.get("/admission/signals")
     async def get_signals() -> dict[str, Any]:

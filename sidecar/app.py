@@ -1,8 +1,10 @@
 """Wiring: the ASGI application that puts the proxy, the admin endpoints and the pollers together.
 
 The top-level app is plain ASGI and routes by exact path: gated generation paths and everything
-unknown go to the proxy, the sidecar's own few paths to a small FastAPI app. Pollers run as tasks
-started in the lifespan and feed new snapshots to the admission controller.
+unknown go to the proxy, the probes to a small FastAPI app. The admin endpoints are a second ASGI app,
+:attr:`SidecarApp.admin_asgi`, served on its own listener (``--admin-listen``); on the data port their
+paths answer 404 saying where they moved, unless ``admin_on_data_port`` keeps the old layout. Pollers
+run as tasks started in the data app's lifespan and feed new snapshots to the admission controller.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from sidecar.access import AccessLog
-from sidecar.admin import ADMIN_PATHS, build_admin
+from sidecar.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
 from sidecar.admission import Admission
 from sidecar.asgi import Message, Receive, Scope, Send
 from sidecar.clock import LoopClock
 from sidecar.core import demand
 from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
+from sidecar.hosts import LOCAL_NAMES_ONLY, HostCheck
 from sidecar.observe import StateCollector, Telemetry, register_process_metrics
 from sidecar.policy import LoadedPolicy, PolicyError
 from sidecar.policy_source import PolicySource
@@ -56,8 +59,13 @@ class SidecarApp:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 1800.0,
         trust_emulator_sizes: bool = False,
+        admin_on_data_port: bool = False,
+        host_check: HostCheck | None = None,
+        admin_host_check: HostCheck | None = LOCAL_NAMES_ONLY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``host_check``: the Host values the data port answers (None: any); ``admin_host_check``:
+        the admin port's (by default IP literals and localhost only: no DNS rebinding)."""
         self.upstream = upstream.rstrip("/")
         self.clock = clock
         self.gpu_source = gpu_source
@@ -81,8 +89,14 @@ class SidecarApp:
             policy_path, self.apply_policy, lambda: self.admission.loaded, self.telemetry.policy_reload
         )
         self.admin = build_admin(self, admin_token)
-        # One access-log line per request; its in-flight count is what a drain waits for.
+        # The data port's probes (and, with admin_on_data_port, the old layout), naming no file or URL.
+        self.public = build_admin(self, admin_token, public=True)
+        self.admin_on_data_port = admin_on_data_port
+        self.host_check, self.admin_host_check = host_check, admin_host_check
+        # One access-log line per request; its in-flight count is what a drain waits for. The admin
+        # port logs too, but a drain does not wait for a slow scrape.
         self.access = AccessLog(self._http, clock)
+        self._admin_access = AccessLog(self._admin_http, clock)
         self.registry.register(
             StateCollector(self.admission, clock, self.gate_open, lambda: self.telemetry.dropped_log_lines)
         )
@@ -101,12 +115,23 @@ class SidecarApp:
     # -- ASGI -------------------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The data port (and the lifespan: pollers start and stop with it)."""
         if scope["type"] == "http":
             await self.access(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
+    async def admin_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The admin port. Serve it with ``lifespan="off"``: the data app's lifespan runs the pollers."""
+        if scope["type"] == "http":
+            await self._admin_access(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await _no_lifespan(receive, send)
+
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.host_check is not None and (refusal := self.host_check.refusal(scope["headers"])):
+            await send_response(send, refusal)
+            return
         path = scope["path"]
         if not path.startswith("/"):
             # `OPTIONS *` (or an absolute-form target): not a path any route serves.
@@ -116,17 +141,37 @@ class SidecarApp:
         route = self.routes.match(path, scope["method"])
         if route is not None:
             await self.proxy(scope, receive, send, gated=True, route=route)
+        elif scope["method"] == "OPTIONS" and (route := self.routes.match(path, "POST")) is not None:
+            # A CORS preflight: answered here, approving no origin. SGLang's own CORS allows every
+            # origin, which would let any web page POST JSON to the lane through the sidecar.
+            await send_response(send, _no_cors(route.methods))
+        elif path in PROBE_PATHS:
+            await self.public(scope, receive, send)
         elif path in ADMIN_PATHS:
+            if not self.admin_on_data_port:
+                await send_response(send, _on_admin_port(path))
+                return
             if scope["method"] in ("POST", "PUT"):
                 bounded = await _bounded_admin_body(scope, receive, send)
                 if bounded is None:
                     return
                 receive = bounded
-            await self.admin(scope, receive, send)
+            await self.public(scope, receive, send)
         elif normalize_path(path) in self.routes.refused:
             await send_response(send, _refused(path))
         else:
             await self.proxy(scope, receive, send, gated=False)
+
+    async def _admin_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.admin_host_check is not None and (refusal := self.admin_host_check.refusal(scope["headers"])):
+            await send_response(send, refusal)
+            return
+        if scope["method"] in ("POST", "PUT"):
+            bounded = await _bounded_admin_body(scope, receive, send)
+            if bounded is None:
+                return
+            receive = bounded
+        await self.admin(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -377,6 +422,29 @@ async def _bounded_admin_body(scope: Scope, receive: Receive, send: Send) -> Rec
         return await receive()
 
     return replay
+
+
+async def _no_lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _no_cors(methods: tuple[str, ...]) -> Response:
+    return 204, [(b"allow", ", ".join((*methods, "OPTIONS")).encode())], b""
+
+
+def _on_admin_port(path: str) -> Response:
+    return error_response(
+        404,
+        f"{path} is served on the admin listener (--admin-listen, 127.0.0.1:8002 by default), not on "
+        "the data port; --admin-on-data-port keeps the old layout",
+        "admin_path",
+    )
 
 
 def _not_a_path(scope: Scope) -> Response:

@@ -259,12 +259,17 @@ def _serve_with(settings: Any) -> int:
         connect_timeout_s=settings.upstream_connect_timeout_s,
         read_timeout_s=settings.upstream_read_timeout_s,
         trust_emulator_sizes=settings.trust_emulator_sizes,
+        admin_on_data_port=settings.admin_on_data_port,
+        host_check=settings.host_check(),
+        admin_host_check=settings.admin_host_check(),
     )
     logging.getLogger("sidecar").info(
-        "sglang-sidecar %s starting: upstream %s, listen %s, policy %s (sha256 %s), mode %s, gpu source %s",
+        "sglang-sidecar %s starting: upstream %s, listen %s, admin %s, policy %s (sha256 %s), mode %s, "
+        "gpu source %s",
         sidecar_version(),
         settings.upstream,
         settings.listen,
+        settings.admin_listen + (" (and on the data port)" if settings.admin_on_data_port else ""),
         loaded.policy.name,
         loaded.sha256[:12],
         settings.mode.value,
@@ -275,6 +280,9 @@ def _serve_with(settings: Any) -> int:
                 "version": sidecar_version(),
                 "upstream": settings.upstream,
                 "listen": settings.listen,
+                "admin_listen": settings.admin_listen,
+                "admin_on_data_port": settings.admin_on_data_port,
+                "allowed_hosts": settings.allowed_hosts,
                 "policy": loaded.policy.name,
                 "policy_sha256": loaded.sha256,
                 "policy_file": str(settings.policy),
@@ -292,6 +300,7 @@ def _serve_with(settings: Any) -> int:
         settings.log_level,
         settings.drain_timeout_s,
         limits=settings.serving_limits(),
+        admin=(app.admin_asgi, settings.admin_host, settings.admin_port),
     )
 
 
@@ -303,10 +312,16 @@ def run_uvicorn(
     drain_timeout_s: float = 30.0,
     *,
     limits: ServingLimits | None = None,
+    admin: tuple[object, str, int] | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain: keep listening (``/readyz`` 503 ``draining``, new gated
     requests 503 ``draining``) while in-flight requests finish, up to ``drain_timeout_s``; only then
-    close the listener. A second signal exits at once."""
+    close the listener. A second signal exits at once.
+
+    ``admin``: a second app, host and port (the admin listener), served in the same event loop from
+    before the data port opens until after it closes; it takes no signals of its own."""
+    import contextlib
+
     import uvicorn
 
     config = uvicorn.Config(
@@ -348,8 +363,55 @@ def run_uvicorn(
             await super().serve(sockets)
 
     server = DrainingServer(config)
-    server.run()
-    return 0 if server.started else 3
+    if admin is None:
+        server.run()
+        return 0 if server.started else 3
+
+    class AdminServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[no-untyped-def]
+            yield  # the data server's handler drains, then this one stops with it
+
+    admin_app, admin_host, admin_port = admin
+    admin_server = AdminServer(
+        uvicorn.Config(
+            admin_app,  # type: ignore[arg-type]
+            host=admin_host,
+            port=admin_port,
+            lifespan="off",
+            interface="asgi3",  # a bound method is not auto-detected as ASGI 3
+            log_level=log_level,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            **uvicorn_options(limits or ServingLimits()),
+        )
+    )
+
+    async def serve_admin() -> None:
+        # uvicorn exits (SystemExit) when it cannot bind; here that ends this task, not the process.
+        with contextlib.suppress(SystemExit):
+            await admin_server.serve()
+
+    async def both() -> int:
+        admin_task = asyncio.create_task(serve_admin())
+        while not admin_server.started:
+            if admin_task.done():
+                # uvicorn has logged why (the address is in use, or not this machine's).
+                print(
+                    f"sglang-sidecar: error: cannot listen on --admin-listen {admin_host}:{admin_port}",
+                    file=sys.stderr,
+                )
+                return 3
+            await asyncio.sleep(0.01)
+        try:
+            await server.serve()
+        finally:
+            admin_server.should_exit = True
+            await admin_task
+        return 0 if server.started else 3
+
+    return asyncio.run(both())
 
 
 def _wait(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ from sidecar.admission import Admission, Handle, Outcome
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.core.decision import Action
 from sidecar.core.demand import Demand
+from sidecar.hosts import json_body_refusal
 from sidecar.intake import demand_of
 from sidecar.requests import BadRequest, GenerationRequest, parse_generation
 from sidecar.responses import Response, error_response, json_response, rejection_response, send_response
@@ -111,9 +112,15 @@ class Proxy:
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, gated: bool, route: Route | None = None
     ) -> None:
-        if (problem := _header_problem(scope)) is not None:
+        problem = _header_problem(scope)
+        if problem is None and gated:
+            problem = json_body_refusal(scope["headers"])  # 415: a cross-site form must not spend the lane
+        if problem is not None:
             if gated:
                 self.admission.open().end(Outcome.BAD_REQUEST)
+                status, headers, payload = problem
+                rid = _client_request_id(scope) or new_request_id()
+                problem = (status, [*headers, _id_header(rid)], payload)
             await send_response(send, problem)
             return
         if not gated:
@@ -347,20 +354,20 @@ class UpstreamBroke(Exception):
 
 
 def _upstream_error(e: BaseException, upstream: str) -> tuple[int, list, bytes]:
+    """The client's answer names no address: the engine's URL is for the operator's log (this line),
+    not for a client that could then go around the gate (SECURITY.md)."""
+    log.warning("engine at %s: %s: %s", upstream, type(e).__name__, e)
     if isinstance(e, aiohttp.ClientConnectorError):
+        why = e.os_error.strerror if e.os_error is not None and e.os_error.strerror else "cannot connect"
         return error_response(
             503,
-            f"engine at {upstream} is unreachable: {e.os_error or e}",
+            f"The engine is unreachable ({why.lower()}).",
             "engine_unavailable",
             headers=[(b"retry-after", b"5")],
         )
     if isinstance(e, TimeoutError | aiohttp.ServerTimeoutError):
-        return error_response(
-            504,
-            f"engine at {upstream} timed out: {e or 'no data within the read timeout'}",
-            "upstream_timeout",
-        )
-    return error_response(502, f"engine at {upstream} failed: {type(e).__name__}: {e}", "upstream_error")
+        return error_response(504, "The engine sent no data within the read timeout.", "upstream_timeout")
+    return error_response(502, f"The engine's answer broke off ({type(e).__name__}).", "upstream_error")
 
 
 async def read_body(

@@ -157,6 +157,11 @@ def rejection_response(d: Decision, demand: Demand, waited_s: float, answers: An
     kind = "invalid_request_error" if answer.status < 500 else "admission_rejected"
     body = error_object(message, reason, kind)
     body["admission"] = decision_fields(d, demand) | {"waited_ms": wait_ms}
+    for check in body["admission"]["checks"]:
+        if check["name"] == Reason.ENGINE_UNAVAILABLE.value:
+            # The scrape's error names the engine's URL: a client must not learn where the ungated
+            # engine listens (SECURITY.md). The decision log and the admin port keep the detail.
+            check["note"] = "engine unreachable (the admin port's /admission/state says why)"
     headers = [
         (b"x-admission-decision", b"reject"),
         (b"x-admission-reason", reason.encode()),

@@ -178,6 +178,7 @@ async def serve_app(
         host=host,
         port=port,
         lifespan=lifespan,
+        interface="asgi3",  # a bound method (``app.admin_asgi``) is not auto-detected as ASGI 3
         log_level="warning",
         access_log=False,
         log_config=None,  # lines go through the process's logging, not uvicorn's own handlers
@@ -202,3 +203,16 @@ async def serve_app(
         except TimeoutError:
             server.force_exit = True
             await task
+
+
+@asynccontextmanager
+async def serve_sidecar(
+    app: Any, host: str = "127.0.0.1", *, limits: ServingLimits | None = None
+) -> AsyncIterator[tuple[str, str]]:
+    """Serve a ``SidecarApp`` as ``serve`` does: the data port (with its lifespan, which starts the
+    pollers) and the admin port (``app.admin_asgi``); yield both base URLs, each on a free port."""
+    async with (
+        serve_app(app, host, limits=limits) as url,
+        serve_app(app.admin_asgi, host, lifespan="off", limits=limits) as admin_url,
+    ):
+        yield url, admin_url

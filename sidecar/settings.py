@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from sidecar.hosts import HostCheck
 from sidecar.serving import ServingLimits
 
 
@@ -34,7 +35,30 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SIDECAR_", extra="forbid", frozen=True)
 
     upstream: str = _opt(help="base URL of the SGLang server, e.g. http://127.0.0.1:30000", metavar="URL")
-    listen: str = _opt("127.0.0.1:8001", help="address to listen on", metavar="HOST:PORT")
+    listen: str = _opt(
+        "127.0.0.1:8001",
+        help="the data port: the engine's paths (gated and proxied), /healthz and /readyz",
+        metavar="HOST:PORT",
+    )
+    # The admin port: state, explain, policy upload, routing signals, docs and /metrics. Loopback by
+    # default: what it says (policy path, engine address, live load) is for operators, not clients.
+    admin_listen: str = _opt(
+        "127.0.0.1:8002",
+        help="the admin port: /admission/* (state, explain, policy, signals, loads, docs) and /metrics",
+        metavar="HOST:PORT",
+    )
+    admin_on_data_port: bool = _opt(
+        False,
+        help="also serve the admin paths on the data port, the old layout (deprecated: for scrapers and "
+        "scripts not moved to --admin-listen yet; the data port's state then hides paths and addresses)",
+    )
+    allowed_hosts: str | None = _opt(
+        None,
+        help="comma-separated Host names both ports answer (421 otherwise); IP literals and localhost are "
+        "always answered. Without it the data port answers any Host and the admin port only IPs and "
+        "localhost",
+        metavar="NAMES",
+    )
     policy: Path = _opt(help="lane policy YAML (see policies/)", metavar="FILE")
     gpu_source: str | None = _opt(
         None,
@@ -124,12 +148,19 @@ class Settings(BaseSettings):
             raise ValueError(f"upstream must be an http:// or https:// URL, got {v!r}")
         return v.rstrip("/")
 
-    @field_validator("listen")
+    @field_validator("listen", "admin_listen")
     @classmethod
     def _hostport(cls, v: str) -> str:
         host, sep, port = v.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise ValueError(f"listen must be HOST:PORT, got {v!r}")
+            raise ValueError(f"must be HOST:PORT, got {v!r}")
+        return v
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, v: str | None) -> str | None:
+        if v is not None:
+            HostCheck.parse(v)  # raises ValueError with the offending entry
         return v
 
     @property
@@ -139,6 +170,22 @@ class Settings(BaseSettings):
     @property
     def port(self) -> int:
         return int(self.listen.rpartition(":")[2])
+
+    @property
+    def admin_host(self) -> str:
+        return self.admin_listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def admin_port(self) -> int:
+        return int(self.admin_listen.rpartition(":")[2])
+
+    def host_check(self) -> HostCheck | None:
+        """The data port's check: none unless ``--allowed-hosts`` is given."""
+        return None if self.allowed_hosts is None else HostCheck.parse(self.allowed_hosts)
+
+    def admin_host_check(self) -> HostCheck:
+        """The admin port always checks: IP literals, localhost and ``--allowed-hosts``."""
+        return HostCheck.parse(self.allowed_hosts or "")
 
     def admin_token(self) -> str | None:
         if self.admin_token_file is None:

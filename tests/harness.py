@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.app import SidecarApp
-from sidecar.serving import ServingLimits, serve_app
+from sidecar.serving import ServingLimits, serve_app, serve_sidecar
 from sidecar.signals.gpu import parse_gpu_source
 from tests.conftest import MIB, small_policy
 
@@ -21,6 +21,24 @@ Scope = dict[str, Any]
 def serve(app: Any, *, lifespan: str = "on", limits: ServingLimits | None = None) -> Any:
     """Run ``app`` under uvicorn on a free loopback port in this event loop; yield its base URL."""
     return serve_app(app, lifespan=lifespan, limits=limits)
+
+
+class SidecarUrl(str):
+    """The data port's base URL, with the admin port's as ``.admin`` (``url.admin + "/metrics"``)."""
+
+    admin: str
+
+    def __new__(cls, url: str, admin: str) -> SidecarUrl:
+        self = super().__new__(cls, url)
+        self.admin = admin
+        return self
+
+
+@asynccontextmanager
+async def serve_both(app: SidecarApp, *, limits: ServingLimits | None = None) -> AsyncIterator[SidecarUrl]:
+    """Both of a sidecar's listeners on free loopback ports, as ``serve`` runs them."""
+    async with serve_sidecar(app, limits=limits) as (url, admin):
+        yield SidecarUrl(url, admin)
 
 
 async def eventually(
@@ -73,8 +91,9 @@ async def lane(
     app_kwargs: dict[str, Any] | None = None,
     limits: ServingLimits | None = None,
     **overrides: object,
-) -> AsyncIterator[tuple[str, SidecarApp, Path]]:
-    """A fake engine and a real sidecar in front of it (GPU from a file), both on loopback."""
+) -> AsyncIterator[tuple[SidecarUrl, SidecarApp, Path]]:
+    """A fake engine and a real sidecar in front of it (GPU from a file), both on loopback. The URL is
+    the data port's; ``url.admin`` is the admin port's (state, explain, policy, signals, /metrics)."""
     gpu_file = tmp_path / "gpu.json"
     write_gpu_file(gpu_file, free_mib * MIB)
     policy = small_policy(**(FAST | overrides))
@@ -88,7 +107,7 @@ async def lane(
             **({"trust_emulator_sizes": True} | (app_kwargs or {})),
         )
         # The sidecar is served with the data port's connection limits, as `serve` runs it.
-        async with serve(app, limits=limits or ServingLimits()) as url:
+        async with serve_both(app, limits=limits or ServingLimits()) as url:
             if upstream is None:
                 await eventually(lambda: app.admission.snapshot.engine is not None)
             yield url, app, gpu_file

@@ -106,7 +106,7 @@ async def test_a_transient_rejection_is_retried_after_its_retry_after(
         result = await asyncio.wait_for(task, 30)
         assert result is not None
         assert len(engine.arrived) == 1
-        metrics = (await http.get(url + "/metrics")).text
+        metrics = (await http.get(url.admin + "/metrics")).text
         assert f'decisions_total{{decision="reject",reason="{reason}"}}' in metrics
 
 
@@ -156,7 +156,9 @@ async def test_request_id_is_kept_or_generated_on_every_gated_answer(tmp_path: P
             assert no.status_code == 503 and no.headers["x-request-id"] == "abc-2"
             assert no.json()["admission"]["request_id"] == "abc-2"
             bad = await client.post(
-                url + "/generate", content=b"{not json", headers={"X-Request-Id": "abc-3"}
+                url + "/generate",
+                content=b"{not json",
+                headers={"X-Request-Id": "abc-3", "content-type": "application/json"},
             )
             assert bad.status_code == 400 and bad.headers["x-request-id"] == "abc-3"
             body = {"text": "x", "emulator": {"prompt_tokens": 100}}

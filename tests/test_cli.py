@@ -96,6 +96,8 @@ def test_serve_fails_at_start_up_when_the_gpu_source_cannot_be_read(tmp_path: Pa
         "http://127.0.0.1:1",
         "--listen",
         "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
         "--policy",
         str(POLICIES / "h200-generic.yaml"),
         "--gpu-source",

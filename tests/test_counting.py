@@ -82,7 +82,9 @@ async def test_the_engines_model_tokenizer_counts_prompts(tmp_path: Path) -> Non
     async with lane(tmp_path, engine) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
         await eventually(lambda: app.counter.engine_tokenizer_source is not None)
         assert app.counter.engine_tokenizer_source == str(model / "tokenizer.json")
-        r = await client.post(url + "/admission/explain", json={"text": "the cat sat on the mat the mat"})
+        r = await client.post(
+            url.admin + "/admission/explain", json={"text": "the cat sat on the mat the mat"}
+        )
         assert r.status_code == 200
         assert (r.json()["count_method"], r.json()["prompt_tokens"], r.json()["exact"]) == (
             "tokenizer",
@@ -169,5 +171,5 @@ async def test_a_reload_loads_the_tokenizer_off_the_event_loop(
         await app.reload_from_file()
         assert app.policy_source.last_reload is not None and app.policy_source.last_reload.result == "applied"
         assert threads and threading.main_thread() not in threads
-        r = await client.post(url + "/admission/explain", json={"text": "the cat sat"})
+        r = await client.post(url.admin + "/admission/explain", json={"text": "the cat sat"})
         assert r.json()["count_method"] == "tokenizer"

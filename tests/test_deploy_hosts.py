@@ -65,7 +65,7 @@ def test_dockerfile_passes_hadolint_and_runs_as_non_root() -> None:
     r = subprocess.run([exe, str(DOCKER / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
     text = (DOCKER / "Dockerfile").read_text()
-    assert "USER 10001" in text and "EXPOSE 8001" in text
+    assert "USER 10001" in text and "EXPOSE 8001 8002" in text
 
 
 def test_compose_wires_the_lane_with_the_repositorys_files(tmp_path: Path) -> None:

@@ -119,10 +119,16 @@ def test_overlay_says_what_the_readme_says(overlay: Path) -> None:
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert sidecar["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    # The Service exposes the sidecar's port only.
+    # The Service exposes the sidecar's data port only; the admin port is the pod's, for Prometheus.
     (svc,) = [d for d in docs if d["kind"] == "Service"]
     assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(8001, "http")]
-    assert {p["name"]: p["containerPort"] for p in sidecar["ports"]} == {"http": 8001}
+    assert {p["name"]: p["containerPort"] for p in sidecar["ports"]} == {"http": 8001, "admin": 8002}
+    assert env["SIDECAR_LISTEN"].endswith(":8001") and env["SIDECAR_ADMIN_LISTEN"].endswith(":8002")
+    # Only the monitoring namespace reaches the admin port (and the engine's).
+    (netpol,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    open_to_all, monitoring = netpol["spec"]["ingress"]
+    assert "from" not in open_to_all and [p["port"] for p in open_to_all["ports"]] == [8001]
+    assert {p["port"] for p in monitoring["ports"]} == {8002, 30000}
     # Both containers name the one GPU claim.
     (claim,) = pod["resourceClaims"]
     assert [c["name"] for c in sidecar["resources"]["claims"]] == [claim["name"]]
@@ -170,4 +176,5 @@ def test_podmonitor_scrapes_the_ports_and_jobs_the_alerts_expect() -> None:
         assert set(ep) <= {"port", "path", "interval", "relabelings"}
         assert ep["port"] in ports
         jobs[ep["port"]] = next(r["replacement"] for r in ep["relabelings"] if r["targetLabel"] == "job")
-    assert jobs == {"http": "sglang-sidecar", "engine": "sglang"}
+    # The sidecar's /metrics is on its admin port, not the data port (which answers 404 there).
+    assert jobs == {"admin": "sglang-sidecar", "engine": "sglang"}

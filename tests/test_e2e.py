@@ -60,8 +60,8 @@ async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable
     import aiohttp
 
     from sidecar.app import SidecarApp
-    from sidecar.serving import serve_app
     from sidecar.signals.gpu import parse_gpu_source
+    from tests.harness import serve_both
 
     profile = get_profile("maxq-old").replace(restart_s=600.0)
     model = build_model(profile, seed=1)
@@ -97,7 +97,7 @@ async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable
                 gpu_source=parse_gpu_source(f"file:{gpu_file}"),
                 trust_emulator_sizes=True,
             )
-            async with serve_app(app) as url, aiohttp.ClientSession() as session:
+            async with serve_both(app) as url, aiohttp.ClientSession() as session:
                 await eventually(lambda: app.admission.snapshot.engine is not None)
                 body = {"text": "x", "stream": True, "emulator": {"prompt_tokens": 400_000}}
                 with pytest.raises(aiohttp.ClientPayloadError):
@@ -112,5 +112,5 @@ async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable
                     retry = int(resp.headers["retry-after"])
                     assert retry >= 1 and retry == (await resp.json())["admission"]["retry_after_s"]
                 assert app.admission.ledger.totals.requests == 0
-                metrics = await (await session.get(url + "/metrics")).text()
+                metrics = await (await session.get(url.admin + "/metrics")).text()
                 assert 'sglang_sidecar_requests_total{outcome="upstream_error"} 1.0' in metrics

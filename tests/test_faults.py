@@ -66,7 +66,7 @@ def describe(r: httpx.Response) -> str:
 
 async def until_stale(client: httpx.AsyncClient, url: str, signal: str) -> None:
     async def stale() -> bool:
-        return ((await client.get(url + "/admission/state")).json()[signal]["age_s"] or 0) > 0.45
+        return ((await client.get(url.admin + "/admission/state")).json()[signal]["age_s"] or 0) > 0.45
 
     await eventually(stale)
 
@@ -187,7 +187,7 @@ def metrics_case(name: str) -> Case:
             await until_stale(c, url, "engine")
             r = await gated(c, url)
             ready = (await c.get(url + "/readyz")).status_code
-            named = (await c.get(url + "/admission/state")).json()["engine"]["implausible_series"]
+            named = (await c.get(url.admin + "/admission/state")).json()["engine"]["implausible_series"]
         where = f"; `implausible_series` names {', '.join(f'`{s}`' for s in named)}" if named else ""
         return app, 1, f"failed read: gated {describe(r)}, `/readyz` {ready}{where}"
 
@@ -244,7 +244,7 @@ def gpu_case(fault: str) -> Case:
                 os.utime(gpu_file, (future, future))
             await until_stale(c, url, "gpu")
             r = await gated(c, url)
-            err = (await c.get(url + "/admission/state")).json()["gpu"]["last_error"]
+            err = (await c.get(url.admin + "/admission/state")).json()["gpu"]["last_error"]
             healthz = (await c.get(url + "/healthz")).status_code
         said = f"; `last_error`: {err.split(': ', 1)[-1].replace(str(gpu_file), '<file>')}" if err else ""
         return app, 1, f"stale after `gpu.max_age_s`: gated {describe(r)}, `/healthz` {healthz}{said}"
@@ -302,7 +302,9 @@ async def slowloris(tmp: Path) -> tuple[SidecarApp, int, str]:
 async def stalled_body(tmp: Path) -> tuple[SidecarApp, int, str]:
     async with lane(tmp, FakeEngine(), limits=SHORT, **STEADY) as (url, app, _):
         r, w = await _open(url)
-        w.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        w.write(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
         await w.drain()
         status = (await _answer(r))[:12].decode()
         w.close()
@@ -317,6 +319,21 @@ async def idle_connections(tmp: Path) -> tuple[SidecarApp, int, str]:
         for _, w in conns:
             w.close()
     return app, 0, f"{closed} of 20 closed by the sidecar after `--header-timeout-s`"
+
+
+async def cross_site_form(tmp: Path) -> tuple[SidecarApp, int, str]:
+    engine = FakeEngine()
+    async with lane(tmp, engine, **STEADY) as (url, app, _), httpx.AsyncClient(timeout=10) as c:
+        body = b'{"text": "x", "emulator": {"prompt_tokens": 10}}'
+        r = await c.post(url + "/generate", content=body, headers={"content-type": "text/plain"})
+    return app, 1, f"{describe(r)}; outcome {_one(app)}; the engine saw {len(engine.arrived)} request(s)"
+
+
+async def rebinding_host(tmp: Path) -> tuple[SidecarApp, int, str]:
+    async with lane(tmp, FakeEngine(), **STEADY) as (url, app, _), httpx.AsyncClient(timeout=10) as c:
+        admin = await c.get(url.admin + "/admission/state", headers={"host": "rebound.example"})
+        data = await c.get(url + "/admission/state")
+    return app, 0, f"admin port {describe(admin)}; `/admission/state` on the data port {describe(data)}"
 
 
 def _one(app: SidecarApp) -> str:
@@ -344,6 +361,8 @@ CASES: list[tuple[str, Case]] = [
     ("slowloris headers", slowloris),
     ("stalled request body", stalled_body),
     ("20 idle connections", idle_connections),
+    ("cross-site form POST (`text/plain`) to a gated path", cross_site_form),
+    ("DNS-rebinding `Host` on the admin port", rebinding_host),
 ]
 
 

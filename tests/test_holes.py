@@ -56,13 +56,13 @@ async def test_declared_size_is_ignored_unless_started_for_the_emulator(tmp_path
     kwargs = {"trust_emulator_sizes": False}
     async with lane(tmp_path, engine, app_kwargs=kwargs, **TIGHT) as (url, app, _):
         async with httpx.AsyncClient(timeout=10) as client:
-            state = (await client.get(url + "/admission/state")).json()
+            state = (await client.get(url.admin + "/admission/state")).json()
             assert state["trust_emulator_sizes"] is False
             r = await client.post(url + "/generate", json=body)
             assert r.status_code == 503, r.text
             assert engine.arrived == []
             # explain agrees with the gate
-            e = await client.post(url + "/admission/explain", json=body)
+            e = await client.post(url.admin + "/admission/explain", json=body)
             assert e.json()["decision"] != "admit"
         await settled(app, 1)
 
@@ -72,7 +72,7 @@ async def test_declared_size_is_honoured_with_the_flag(tmp_path: Path) -> None:
     engine = FakeEngine()
     async with lane(tmp_path, engine, app_kwargs={"trust_emulator_sizes": True}, **TIGHT) as (url, app, _):
         async with httpx.AsyncClient(timeout=10) as client:
-            assert (await client.get(url + "/admission/state")).json()["trust_emulator_sizes"] is True
+            assert (await client.get(url.admin + "/admission/state")).json()["trust_emulator_sizes"] is True
             r = await client.post(url + "/generate", json=body)
             assert r.status_code == 200
         await settled(app, 1)
@@ -299,7 +299,8 @@ async def test_huge_numbers_are_a_400_naming_the_field(tmp_path: Path, number: s
                 ("/generate", f'{{"text": "x", "priority": {number}}}', "priority"),
             ]
             for path, body, field in bodies:
-                r = await client.post(url + path, content=body, headers={"content-type": "application/json"})
+                base = url.admin if path.startswith("/admission/") else url
+                r = await client.post(base + path, content=body, headers={"content-type": "application/json"})
                 assert r.status_code == 400, (path, body, r.status_code, r.text)
                 assert field in r.json()["error"]["message"], r.text
             r = await client.post(url + "/generate", headers={"x-admission-priority": "9" * 30}, json=gen())
@@ -317,7 +318,8 @@ async def test_a_huge_declared_size_is_judged_unfit(tmp_path: Path) -> None:
                 assert r.status_code == 400, r.text  # longer than the context: as SGLang answers
                 assert r.headers["x-admission-reason"] == "unfit_request"
                 e = await client.post(
-                    url + "/admission/explain", json={"prompt_tokens": tokens, "max_new_tokens": 2**63 - 1}
+                    url.admin + "/admission/explain",
+                    json={"prompt_tokens": tokens, "max_new_tokens": 2**63 - 1},
                 )
                 assert e.status_code == 200 and e.json()["reason"] == "unfit_request", e.text
         await settled(app, 2)
@@ -365,11 +367,13 @@ async def test_impossible_engine_values_are_a_failed_read(tmp_path: Path, case: 
             engine.metrics = text
 
             async def stale() -> bool:
-                return ((await client.get(url + "/admission/state")).json()["engine"]["age_s"] or 0) > 0.35
+                return (
+                    (await client.get(url.admin + "/admission/state")).json()["engine"]["age_s"] or 0
+                ) > 0.35
 
             await eventually(stale)
             assert (await client.get(url + "/readyz")).status_code == 503
-            state = (await client.get(url + "/admission/state")).json()["engine"]
+            state = (await client.get(url.admin + "/admission/state")).json()["engine"]
             assert state["consecutive_failures"] >= 1
             for name in series:
                 assert name in state["implausible_series"], state
@@ -392,7 +396,9 @@ async def test_impossible_engine_values_are_a_failed_read(tmp_path: Path, case: 
                 return (await client.get(url + "/readyz")).status_code == 200
 
             await eventually(ready)
-            assert (await client.get(url + "/admission/state")).json()["engine"]["implausible_series"] == []
+            assert (await client.get(url.admin + "/admission/state")).json()["engine"][
+                "implausible_series"
+            ] == []
             assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
         await settled(app, 2)
 
@@ -452,7 +458,7 @@ async def test_gpu_fifo_does_not_block_the_proxy(tmp_path: Path) -> None:
             async with httpx.AsyncClient(timeout=10) as client:
 
                 async def refused() -> bool:
-                    s = (await client.get(url + "/admission/state")).json()["gpu"]
+                    s = (await client.get(url.admin + "/admission/state")).json()["gpu"]
                     return "FIFO" in (s["last_error"] or "")
 
                 await eventually(refused)
@@ -692,9 +698,9 @@ async def test_explain_has_a_small_body_limit_and_stops_reading_at_it(tmp_path: 
 
     async with lane(tmp_path, FakeEngine(), limits=SHORT) as (url, _, _):
         # declared too large: refused before a byte of body is read
-        r, w = await _open(url)
+        r, w = await _open(url.admin)
         w.write(
-            b"POST /admission/explain HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 314572800\r\n\r\n"
+            b"POST /admission/explain HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 314572800\r\n\r\n"
         )
         await w.drain()
         head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
@@ -708,7 +714,7 @@ async def test_explain_has_a_small_body_limit_and_stops_reading_at_it(tmp_path: 
 
         async with httpx.AsyncClient(timeout=10) as client:
             try:
-                resp = await client.post(url + "/admission/explain", content=chunks())
+                resp = await client.post(url.admin + "/admission/explain", content=chunks())
                 assert resp.status_code == 413
                 assert f"{ADMIN_MAX_BODY_BYTES:,}" in resp.json()["error"]["message"]
             except httpx.HTTPError:

@@ -24,7 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, small_policy
-from tests.harness import FAST, FakeEngine, _respond, eventually, serve
+from tests.harness import FAST, FakeEngine, SidecarUrl, _respond, eventually, serve
 
 MARKER = "PROMPT-TEXT-THAT-MUST-NEVER-BE-LOGGED"
 
@@ -47,7 +47,7 @@ def write_policy(tmp_path: Path, **overrides: object) -> Path:
 async def sidecar(
     engine_url: str, policy: Path, *args: str, stderr: Any = subprocess.PIPE
 ) -> AsyncIterator[tuple[str, subprocess.Popen[str]]]:
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -58,6 +58,8 @@ async def sidecar(
             engine_url,
             "--listen",
             f"127.0.0.1:{port}",
+            "--admin-listen",
+            f"127.0.0.1:{admin_port}",
             "--policy",
             str(policy),
             *args,
@@ -67,7 +69,7 @@ async def sidecar(
         stderr=stderr,
         text=True,
     )
-    url = f"http://127.0.0.1:{port}"
+    url = SidecarUrl(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
     try:
         async with httpx.AsyncClient(timeout=5) as client:
 
@@ -204,7 +206,7 @@ async def test_a_stalled_log_pipe_never_stalls_the_sidecar(tmp_path: Path) -> No
                 assert (await client.get(url + "/v1/models")).status_code == 200
 
                 async def dropping() -> bool:
-                    metrics = (await client.get(url + "/metrics")).text
+                    metrics = (await client.get(url.admin + "/metrics")).text
                     return counter(metrics, "sglang_sidecar_log_lines_dropped_total") > 0
 
                 await eventually(dropping)

@@ -52,7 +52,7 @@ async def test_counters_sum_to_requests_and_held_requests_decide_once(tmp_path: 
         for t in held[1:]:
             assert (await t).status_code == 200
         await eventually(lambda: app.admission.ledger.totals.requests == 0)
-        m = samples((await client.get(url + "/metrics")).text)
+        m = samples((await client.get(url.admin + "/metrics")).text)
 
     requests, decisions = m[P + "requests_total"], m[P + "decisions_total"]
     assert total(requests) == 5
@@ -83,7 +83,7 @@ async def test_shadow_mode_counts_what_enforcement_would_do_once_per_request(tmp
         httpx.AsyncClient(timeout=10) as client,
     ):
         assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
-        m = samples((await client.get(url + "/metrics")).text)
+        m = samples((await client.get(url.admin + "/metrics")).text)
     assert m[P + "held_total"][(("reason", "vram_headroom"),)] == 1
     assert total(m[P + "decisions_total"]) == 1 == total(m[P + "requests_total"])
     assert m[P + "decisions_total"][(("decision", "admit"), ("reason", "none"))] == 1
@@ -91,7 +91,7 @@ async def test_shadow_mode_counts_what_enforcement_would_do_once_per_request(tmp
 
 async def test_build_info_process_metrics_and_renamed_gauges(tmp_path: Path) -> None:
     async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
-        m = samples((await client.get(url + "/metrics")).text)
+        m = samples((await client.get(url.admin + "/metrics")).text)
     (labels,) = m[P + "build_info"]
     assert dict(labels)["version"] not in ("", "unknown") and m[P + "build_info"][labels] == 1
     assert m["process_resident_memory_bytes"][()] > 0
@@ -121,7 +121,7 @@ async def test_promtool_check_metrics_on_live_metrics_is_clean(tmp_path: Path) -
         assert (await client.post(url + "/generate", json=gen(rid="x"))).status_code == 503
         write_gpu_file(gpu_file, 1024 * MIB)
         assert (await task).status_code == 200
-        text = (await client.get(url + "/metrics")).text
+        text = (await client.get(url.admin + "/metrics")).text
     r = run_tool("promtool", "check", "metrics", timeout=30, stdin_text=text)
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
     # The linter is really looking: a counter without `_total` is reported.
@@ -133,7 +133,7 @@ async def test_promtool_check_metrics_on_live_metrics_is_clean(tmp_path: Path) -
 
 async def test_readme_metrics_section_names_every_exported_metric(tmp_path: Path) -> None:
     async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(url + "/metrics")).text
+        text = (await client.get(url.admin + "/metrics")).text
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     for family in text_string_to_metric_families(text):

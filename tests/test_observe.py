@@ -46,7 +46,7 @@ async def test_metrics_carry_the_contract_names_and_parse(tmp_path: Path) -> Non
     engine = FakeEngine(events=1)
     async with lane(tmp_path, engine) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
         assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
-        text = (await client.get(url + "/metrics")).text
+        text = (await client.get(url.admin + "/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     names = {n.removeprefix("sglang_sidecar_") for n in families if n.startswith("sglang_sidecar_")}
     assert names >= CONTRACT_METRICS, CONTRACT_METRICS - names
@@ -107,10 +107,10 @@ async def test_shadow_mode_forwards_what_enforce_would_hold(tmp_path: Path) -> N
         assert r.headers["x-admission-decision"] == "admit"
         assert r.headers["x-admission-shadow-decision"] == "hold"
         assert r.headers["x-admission-shadow-reason"] == "vram_headroom"
-        text = (await client.get(url + "/metrics")).text
+        text = (await client.get(url.admin + "/metrics")).text
         assert 'sglang_sidecar_held_total{reason="vram_headroom"} 1.0' in text
         assert 'sglang_sidecar_decisions_total{decision="admit",reason="none"} 1.0' in text
-        assert (await client.get(url + "/admission/state")).json()["mode"] == "shadow"
+        assert (await client.get(url.admin + "/admission/state")).json()["mode"] == "shadow"
         assert app.admission.ledger.totals.requests == 0
 
 

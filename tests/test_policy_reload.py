@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.app import SidecarApp
 from sidecar.policy import load_policy_file
 from tests.conftest import ROOT, small_policy
-from tests.harness import FAST, FakeEngine, eventually, serve
+from tests.harness import FAST, FakeEngine, SidecarUrl, eventually, serve, serve_both
 
 TOKEN = "s3cret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -56,9 +56,9 @@ async def test_an_upload_is_written_to_the_file_so_sighup_keeps_it(tmp_path: Pat
             gpu_source=None,
             admin_token=TOKEN,
         )
-        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
+        async with serve_both(app) as url, httpx.AsyncClient(timeout=10) as client:
             text = policy_yaml("uploaded")
-            r = await client.post(url + "/admission/policy", content=text, headers=AUTH)
+            r = await client.post(url.admin + "/admission/policy", content=text, headers=AUTH)
             assert r.status_code == 200 and r.json()["name"] == "uploaded", r.text
             assert policy_file.read_text() == text  # the file is the policy
             assert not [p for p in tmp_path.iterdir() if p.name.endswith(".upload")]
@@ -66,7 +66,7 @@ async def test_an_upload_is_written_to_the_file_so_sighup_keeps_it(tmp_path: Pat
             # The next SIGHUP (a config-management run, say) re-reads the file: the upload stays.
             os.kill(os.getpid(), signal.SIGHUP)
             await eventually(lambda: app.policy_source.last_reload.via == "sighup")
-            state = (await client.get(url + "/admission/state")).json()["policy"]
+            state = (await client.get(url.admin + "/admission/state")).json()["policy"]
             assert state["name"] == "uploaded" and state["sha256"] == r.json()["sha256"]
             assert state["last_reload"]["via"] == "sighup" and state["last_reload"]["result"] == "applied"
             assert state["last_failure"] is None
@@ -75,12 +75,12 @@ async def test_an_upload_is_written_to_the_file_so_sighup_keeps_it(tmp_path: Pat
             policy_file.write_text("name: broken\nnot_a_field: 1\n")
             os.kill(os.getpid(), signal.SIGHUP)
             await eventually(lambda: app.policy_source.last_failure is not None)
-            state = (await client.get(url + "/admission/state")).json()["policy"]
+            state = (await client.get(url.admin + "/admission/state")).json()["policy"]
             assert state["name"] == "uploaded"
             failure = state["last_failure"]
             assert failure["via"] == "sighup" and failure["result"] == "refused"
             assert "not_a_field" in failure["error"]
-            counted = reloads((await client.get(url + "/metrics")).text)
+            counted = reloads((await client.get(url.admin + "/metrics")).text)
             assert counted == {"applied": 2.0, "refused": 1.0}
     messages = [r.getMessage() for r in caplog.records if r.name == "sidecar.policy"]
     assert any("via upload: applied uploaded" in m for m in messages)
@@ -101,15 +101,17 @@ async def test_refused_uploads_and_bad_tokens_are_logged_and_change_nothing(tmp_
             gpu_source=None,
             admin_token=TOKEN,
         )
-        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
-            no_auth = await client.post(url + "/admission/policy", content=policy_yaml("x"))
+        async with serve_both(app) as url, httpx.AsyncClient(timeout=10) as client:
+            no_auth = await client.post(url.admin + "/admission/policy", content=policy_yaml("x"))
             assert no_auth.status_code == 401
-            bad = await client.post(url + "/admission/policy", content="name: x\nbogus: 1\n", headers=AUTH)
+            bad = await client.post(
+                url.admin + "/admission/policy", content="name: x\nbogus: 1\n", headers=AUTH
+            )
             assert bad.status_code == 422 and bad.json()["kept"] == "from-file"
-            binary = await client.post(url + "/admission/policy", content=b"\xff\xfe", headers=AUTH)
+            binary = await client.post(url.admin + "/admission/policy", content=b"\xff\xfe", headers=AUTH)
             assert binary.status_code == 422 and "UTF-8" in binary.json()["error"]["message"]
             assert policy_file.read_text() == original and app.admission.policy.name == "from-file"
-            state = (await client.get(url + "/admission/state")).json()["policy"]
+            state = (await client.get(url.admin + "/admission/state")).json()["policy"]
             assert state["last_failure"]["via"] == "upload"
     messages = [r.getMessage() for r in caplog.records if r.name == "sidecar.policy"]
     assert any("refused (401)" in m and "127.0.0.1" in m for m in messages)
@@ -153,7 +155,7 @@ def without_privileges() -> list[str]:
 async def test_an_upload_to_a_read_only_policy_file_is_refused_with_409(readonly_lane: Path) -> None:
     policy_file = readonly_lane / "lane.yaml"
     original = policy_file.read_text()
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     async with serve(FakeEngine()) as engine_url:
         proc = subprocess.Popen(
             [
@@ -166,6 +168,8 @@ async def test_an_upload_to_a_read_only_policy_file_is_refused_with_409(readonly
                 engine_url,
                 "--listen",
                 f"127.0.0.1:{port}",
+                "--admin-listen",
+                f"127.0.0.1:{admin_port}",
                 "--policy",
                 str(policy_file),
                 "--admin-token-file",
@@ -176,7 +180,7 @@ async def test_an_upload_to_a_read_only_policy_file_is_refused_with_409(readonly
             stderr=subprocess.PIPE,
             text=True,
         )
-        url = f"http://127.0.0.1:{port}"
+        url = SidecarUrl(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
         try:
             async with httpx.AsyncClient(timeout=10) as client:
 
@@ -189,18 +193,18 @@ async def test_an_upload_to_a_read_only_policy_file_is_refused_with_409(readonly
 
                 await eventually(up, timeout=30)
                 r = await client.post(
-                    url + "/admission/policy", content=policy_yaml("uploaded"), headers=AUTH
+                    url.admin + "/admission/policy", content=policy_yaml("uploaded"), headers=AUTH
                 )
                 assert r.status_code == 409, r.text
                 assert r.json()["error"]["code"] == "policy_file_read_only"
                 assert "SIGHUP" in r.json()["error"]["message"] and r.json()["kept"] == "from-configmap"
-                state = (await client.get(url + "/admission/state")).json()["policy"]
+                state = (await client.get(url.admin + "/admission/state")).json()["policy"]
                 assert state["name"] == "from-configmap"
                 assert (
                     state["last_failure"]["via"] == "upload"
                     and "cannot be written" in state["last_failure"]["error"]
                 )
-                assert reloads((await client.get(url + "/metrics")).text)["refused"] == 1.0
+                assert reloads((await client.get(url.admin + "/metrics")).text)["refused"] == 1.0
         finally:
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=30)

@@ -31,10 +31,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.app import SidecarApp
 from sidecar.policy import load_policy_file
+from sidecar.settings import Settings
 from sidecar.signals.gpu import parse_gpu_source
 from sidecar.sim.profiles import get_profile
 from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
-from tests.harness import eventually, serve
+from tests.harness import eventually, serve_both
 from tests.tools import ROOT, tool
 
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -106,6 +107,9 @@ def config_for_the_run(tmp: Path, sidecar: str, engine: str) -> Path:
     data["global"] |= {"scrape_interval": "1s", "evaluation_interval": "1s"}
     data["rule_files"] = [str(rules_for_the_run(tmp))]
     targets = {"sglang-sidecar": sidecar, "sglang": engine}
+    shipped = {job["job_name"]: job["static_configs"][0]["targets"] for job in data["scrape_configs"]}
+    # The shipped config scrapes the sidecar's admin port (where /metrics is), not the data port.
+    assert shipped["sglang-sidecar"] == [Settings.model_fields["admin_listen"].default]
     for job in data["scrape_configs"]:
         job["static_configs"][0]["targets"] = [targets[job["job_name"]].removeprefix("http://")]
     out = tmp / "prometheus.yml"
@@ -196,11 +200,11 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
         admin_token=TOKEN,
         trust_emulator_sizes=True,  # the scenario's requests declare their sizes to the emulator
     )
-    served = serve(sidecar)
+    served = serve_both(sidecar)
     url = await served.__aenter__()
     sidecar_up = True
     try:
-        config = config_for_the_run(tmp_path, url, emulator.url)
+        config = config_for_the_run(tmp_path, url.admin, emulator.url)
         async with prometheus(config, tmp_path) as prom, httpx.AsyncClient(timeout=30) as c:
             await eventually(lambda: sidecar.admission.snapshot.engine is not None)
 
@@ -232,7 +236,7 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
             for t in held:
                 assert (await t).headers["x-admission-reason"] == "hold_timeout"
             refused = await c.post(
-                url + "/admission/policy",
+                url.admin + "/admission/policy",
                 content="name: broken\nnot_a_field: 1\n",
                 headers={"authorization": f"Bearer {TOKEN}"},
             )
@@ -244,7 +248,9 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
             assert (await long).status_code == 200
 
             # Every metric the dashboard reads is one the sidecar exports.
-            exported = {f.name for f in text_string_to_metric_families((await c.get(url + "/metrics")).text)}
+            exported = {
+                f.name for f in text_string_to_metric_families((await c.get(url.admin + "/metrics")).text)
+            }
             for title, expr in dashboard_exprs():
                 for name in metric_names(expr):
                     family = re.sub(r"_(bucket|count|sum|total)$", "", name)
@@ -261,7 +267,7 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
             # A policy whose reserve is more than the card has: headroom goes below it.
             grown = POLICY.replace("reserve_bytes: 256MiB", "reserve_bytes: 4096GiB")
             r = await c.post(
-                url + "/admission/policy", content=grown, headers={"authorization": f"Bearer {TOKEN}"}
+                url.admin + "/admission/policy", content=grown, headers={"authorization": f"Bearer {TOKEN}"}
             )
             assert r.status_code == 200, r.text
             await wait_firing(c, prom, {"SidecarHeadroomBelowReserve"})

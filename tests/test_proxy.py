@@ -12,7 +12,7 @@ import pytest
 from sidecar.app import SidecarApp
 from sidecar.signals.gpu import parse_gpu_source
 from tests.conftest import MIB, small_policy
-from tests.harness import FAST, FakeEngine, eventually, gen, lane, serve, write_gpu_file
+from tests.harness import FAST, FakeEngine, eventually, gen, lane, serve, serve_both, write_gpu_file
 
 
 async def test_sse_passes_through_unbuffered(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ async def test_disconnect_mid_stream_aborts_upstream_and_clears_ledger(tmp_path:
         # The client has gone; the engine must see its connection drop.
         await eventually(lambda: engine.aborted == ["leaver"])
         await eventually(lambda: app.admission.ledger.totals.requests == 0)
-        metrics = (await client.get(url + "/metrics")).text
+        metrics = (await client.get(url.admin + "/metrics")).text
         assert 'sglang_sidecar_requests_total{outcome="client_gone"} 1.0' in metrics
 
 
@@ -63,13 +63,13 @@ async def test_disconnect_while_held_removes_the_request(tmp_path: Path) -> None
     async with lane(tmp_path, engine, free_mib=0) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
         task = asyncio.create_task(client.post(url + "/generate", json=gen(rid="held")))
         await eventually(lambda: app.admission.held == 1)
-        state = (await client.get(url + "/admission/state")).json()
+        state = (await client.get(url.admin + "/admission/state")).json()
         assert state["queue"]["held"] == 1 and state["gate_open"] is False
         task.cancel()
         await eventually(lambda: app.admission.held == 0)
         assert engine.arrived == []
         assert app.admission.ledger.totals.requests == 0
-        metrics = (await client.get(url + "/metrics")).text
+        metrics = (await client.get(url.admin + "/metrics")).text
         assert 'sglang_sidecar_requests_total{outcome="client_gone"} 1.0' in metrics
         assert 'sglang_sidecar_held_total{reason="vram_headroom"} 1.0' in metrics
 
@@ -199,18 +199,18 @@ async def test_bad_bodies_never_reach_the_engine(
 
 async def test_explain_charges_nothing(tmp_path: Path) -> None:
     async with lane(tmp_path, FakeEngine()) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
-        r = await client.post(url + "/admission/explain", json={"prompt_tokens": 1000})
+        r = await client.post(url.admin + "/admission/explain", json={"prompt_tokens": 1000})
         out = r.json()
         assert out["decision"] == "admit" and out["prompt_tokens"] == 1000
         assert out["projected_bytes"] == 1000 * 1024 and out["headroom_bytes"] == 1024 * MIB
         assert app.admission.ledger.totals.requests == 0
-        r = await client.post(url + "/admission/explain", json=gen(tokens=500_000))
+        r = await client.post(url.admin + "/admission/explain", json=gen(tokens=500_000))
         assert r.json()["decision"] == "reject" and r.json()["reason"] == "unfit_request"
 
 
 async def test_state_has_the_contract_fields_and_null_for_unknown(tmp_path: Path) -> None:
     async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
-        s = (await client.get(url + "/admission/state")).json()
+        s = (await client.get(url.admin + "/admission/state")).json()
         for key in ("mode", "gate_open", "headroom_bytes", "engine", "gpu", "ledger", "queue", "policy"):
             assert key in s
         assert s["engine"]["running_requests"] == 0
@@ -233,24 +233,24 @@ async def test_policy_reload_endpoint(tmp_path: Path) -> None:
             gpu_source=parse_gpu_source(f"file:{gpu_file}"),
             admin_token="s3cret",
         )
-        async with serve(app) as url, httpx.AsyncClient(timeout=10) as client:
+        async with serve_both(app) as url, httpx.AsyncClient(timeout=10) as client:
             new = small_policy(**FAST).policy.model_copy(update={"name": "reloaded"})
             import yaml
 
             text = yaml.safe_dump(json.loads(new.model_dump_json()))
-            assert (await client.post(url + "/admission/policy", content=text)).status_code == 401
+            assert (await client.post(url.admin + "/admission/policy", content=text)).status_code == 401
             bad = await client.post(
-                url + "/admission/policy",
+                url.admin + "/admission/policy",
                 content="name: x\nbogus: 1\n",
                 headers={"authorization": "Bearer s3cret"},
             )
             assert bad.status_code == 422 and bad.json()["kept"] == "test-lane"
             assert any("bogus" in p for p in bad.json()["problems"])
             ok = await client.post(
-                url + "/admission/policy", content=text, headers={"authorization": "Bearer s3cret"}
+                url.admin + "/admission/policy", content=text, headers={"authorization": "Bearer s3cret"}
             )
             assert ok.status_code == 200 and ok.json()["name"] == "reloaded"
-            assert (await client.get(url + "/admission/state")).json()["policy"]["name"] == "reloaded"
+            assert (await client.get(url.admin + "/admission/state")).json()["policy"]["name"] == "reloaded"
 
 
 async def test_a_huge_prompt_is_parsed_off_the_loop_and_an_estimate_never_holds_for_ever(

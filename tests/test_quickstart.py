@@ -37,11 +37,12 @@ def free_port() -> int:
 def test_the_quick_start_emulator_block_works_as_pasted(tmp_path: Path) -> None:
     block = emulator_block()
     assert "sglang-sidecar wait" in block  # it waits for readiness before it queries
-    engine, side = free_port(), free_port()
+    engine, side, admin = free_port(), free_port(), free_port()
     script = (
         block.replace("30000", str(engine))
         .replace("localhost:8001", f"localhost:{side}")
         .replace("127.0.0.1:8001", f"127.0.0.1:{side}")
+        .replace("localhost:8002", f"localhost:{admin}")
         .replace("/tmp/gpu.json", str(tmp_path / "gpu.json"))
     )
     # The README relies on serve's default --listen; give it the free port the same way a user would
@@ -50,6 +51,7 @@ def test_the_quick_start_emulator_block_works_as_pasted(tmp_path: Path) -> None:
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "SIDECAR_LISTEN": f"127.0.0.1:{side}",
+        "SIDECAR_ADMIN_LISTEN": f"127.0.0.1:{admin}",
     }
     # Files, not pipes: the background servers keep their stdout open after the script ends.
     out_file, err_file = tmp_path / "stdout", tmp_path / "stderr"

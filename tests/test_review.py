@@ -48,7 +48,7 @@ from tests.test_admission import Recorder
 
 
 async def outcomes(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    text = (await client.get(url + "/metrics")).text
+    text = (await client.get(url.admin + "/metrics")).text
     found = re.findall(r'sglang_sidecar_requests_total\{outcome="(\w+)"\} ([0-9.e+]+)', text)
     return {k: float(v) for k, v in found if float(v)}
 

@@ -9,14 +9,13 @@ from pathlib import Path
 import httpx
 
 from sidecar.app import SidecarApp
-from sidecar.serving import serve_app
 from sidecar.signals.gpu import parse_gpu_source
 from sidecar.sim.demo import scale_policy
 from sidecar.sim.events import Crashed, FirstToken
 from sidecar.sim.profiles import get_profile
 from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
 from tests.conftest import maxq
-from tests.harness import eventually
+from tests.harness import eventually, serve_both
 
 
 def runs_without_crash(model, tokens: int) -> bool:  # type: ignore[no-untyped-def]
@@ -45,16 +44,16 @@ async def test_fit_signal_is_never_above_what_the_engine_can_run(tmp_path: Path)
                 gpu_source=parse_gpu_source(f"file:{gpu_file}"),
                 trust_emulator_sizes=True,
             )
-            async with serve_app(app) as url, httpx.AsyncClient(timeout=30) as client:
+            async with serve_both(app) as url, httpx.AsyncClient(timeout=30) as client:
                 await eventually(lambda app=app: app.admission.snapshot.engine is not None)
                 task = None
                 if busy:  # a 150K-token prefill admitted through the sidecar, still prefilling
                     body = {"text": "x", "stream": True, "emulator": {"prompt_tokens": 150_000}}
                     task = asyncio.create_task(client.post(url + "/generate", json=body))
                     await eventually(lambda app=app: app.admission.ledger.totals.requests == 1)
-                sig = (await client.get(url + "/admission/signals")).json()
-                metrics = (await client.get(url + "/metrics")).text
-                loads = (await client.get(url + "/admission/loads")).json()["loads"][0]
+                sig = (await client.get(url.admin + "/admission/signals")).json()
+                metrics = (await client.get(url.admin + "/metrics")).text
+                loads = (await client.get(url.admin + "/admission/loads")).json()["loads"][0]
                 fit = sig["fit_prompt_tokens"]
                 # The fit the gate advertises, run on the engine as it stands (the 150K prefill in
                 # it when busy): no crash.
@@ -78,6 +77,6 @@ async def test_fit_signal_is_zero_when_nothing_would_be_admitted(tmp_path: Path)
         lane(tmp_path, FakeEngine(), free_mib=0) as (url, _app, _),
         httpx.AsyncClient(timeout=10) as client,
     ):
-        sig = (await client.get(url + "/admission/signals")).json()
+        sig = (await client.get(url.admin + "/admission/signals")).json()
         assert sig["fit_prompt_tokens"] == 0 and sig["held_requests"] == 0
         assert sig["headroom_bytes"] <= 0

@@ -156,6 +156,8 @@ class Fleet:
         gpu = self.workdir / f"{engine.name}.gpu.json"
         args = [sys.executable, "-m", "sidecar", "serve", "--upstream", engine.url, "--policy", str(policy)]
         args += ["--listen", f"127.0.0.1:{port}", "--gpu-source", f"file:{gpu}", "--log-level", "warning"]
+        # Its admin listener too: the default (127.0.0.1:8002) would collide between lanes.
+        args += ["--admin-listen", f"127.0.0.1:{free_port()}"]
         args += ["--decision-log", str(self.workdir / f"{name}.decisions.jsonl")]
         p = await spawn(name, args, self.workdir, f"http://127.0.0.1:{port}")
         self.procs.append(p)
