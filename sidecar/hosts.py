@@ -9,7 +9,7 @@ tell it apart is the ``Host`` header, which carries the attacker's name. An IP l
 Why JSON only on gated paths: a cross-site ``<form>`` or a ``fetch`` without preflight can only send
 ``text/plain``, ``application/x-www-form-urlencoded``, ``multipart/form-data`` or no Content-Type at all.
 SGLang's OpenAI routes take exactly ``application/json``; its native ones (``/generate``...) also parse
-a body with ``application/*+json`` or *no* Content-Type as JSON (evidence S21). The sidecar takes the
+a body with ``application/*+json`` or *no* Content-Type as JSON (evidence S23). The sidecar takes the
 first two on every gated path and refuses the rest with 415, the absent type included (a browser sends
 a Blob body with none), before the request can be held or forwarded.
 """

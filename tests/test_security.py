@@ -140,7 +140,7 @@ async def test_gated_paths_take_json_only(tmp_path: Path) -> None:
 
 class CorsEngine(FakeEngine):
     """SGLang's CORS: ``CORSMiddleware(allow_origins=["*"], allow_credentials=True, ...)`` approves
-    every preflight (evidence S21)."""
+    every preflight (evidence S23)."""
 
     def __init__(self) -> None:
         super().__init__()
