@@ -24,11 +24,15 @@ def main() -> int:
     subprocess.run([mutmut, "export-cicd-stats"], cwd=ROOT, check=True, capture_output=True)
     stats = json.loads((ROOT / "mutants" / "mutmut-cicd-stats.json").read_text())
     out = subprocess.run([mutmut, "results"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    survivors = sorted(m for m, status in re.findall(r"^\s*(\S+): (\w[\w ]*)$", out, re.M) if status == "survived")
+    survivors = sorted(
+        m for m, status in re.findall(r"^\s*(\S+): (\w[\w ]*)$", out, re.M) if status == "survived"
+    )
     text = (ROOT / "MUTATION.md").read_text()
     head, _, owed = text.partition("## Not killed yet")
     names = re.compile(r"`(sidecar\.[^`]+__mutmut_\d+)`")
     listed, known = set(names.findall(head)), set(names.findall(owed))
+    quoted = dict(re.findall(r"^- `(sidecar\.[^`]+__mutmut_\d+)` \(`([^`]+)`\)", head, re.M))
+    stale = [m for m in survivors if m in listed and not _describes(mutmut, m, quoted.get(m))]
     unexplained = [m for m in survivors if m not in listed | known]
     equivalent = len([m for m in survivors if m in listed])
     killed = stats["killed"] + stats.get("timeout", 0)
@@ -39,10 +43,33 @@ def main() -> int:
         f"survived {len(survivors)} ({equivalent} listed as equivalent in MUTATION.md), "
         f"untested {stats.get('no_tests', 0)}"
     )
-    print(f"score: {killed}/{judged} = {score:.1%} of non-equivalent mutants killed (threshold {THRESHOLD:.0%})")
+    print(
+        f"score: {killed}/{judged} = {score:.1%} of non-equivalent mutants killed (threshold {THRESHOLD:.0%})"
+    )
     for m in unexplained:
         print(f"  survived, not explained in MUTATION.md: {m}  (mutmut show {m})")
-    return 0 if score >= THRESHOLD and not unexplained else 1
+    for m in stale:
+        print(
+            f"  listed as equivalent, but its entry does not quote this mutant's code: {m}  (mutmut show {m})"
+        )
+    owed_now = [m for m in survivors if m in known and m not in listed]
+    if owed_now:
+        print(f"  not killed yet (listed as owed in MUTATION.md): {len(owed_now)}")
+    gone = sorted((listed | known) - set(survivors))
+    if gone:
+        print(f"  listed in MUTATION.md but not surviving (killed, or renumbered away): {', '.join(gone)}")
+    return 0 if score >= THRESHOLD and not unexplained and not stale else 1
+
+
+def _changed_code(mutmut: str, name: str) -> str:
+    """The mutant's added lines, white space folded."""
+    diff = subprocess.run([mutmut, "show", name], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    added = [line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    return " ".join(" ".join(added).split())
+
+
+def _describes(mutmut: str, name: str, quote: str | None) -> bool:
+    return quote is not None and " ".join(quote.split()) in _changed_code(mutmut, name)
 
 
 if __name__ == "__main__":

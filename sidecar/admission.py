@@ -165,9 +165,10 @@ class _Queue:
     tokens: int = 0
 
     def push(self, h: Handle) -> None:
+        assert h.demand is not None  # submitted: only a submitted handle is ever held
         bisect.insort(self.heap, h)
         self.live += 1
-        self.tokens += h.demand.uncached_tokens if h.demand else 0
+        self.tokens += h.demand.uncached_tokens
 
     def ordered(self) -> list[Handle]:
         if len(self.heap) > 2 * self.live + 16:
@@ -365,10 +366,10 @@ class Admission:
         self._schedule()
 
     def _leave_queue(self, h: Handle) -> None:
+        assert h.demand is not None
         h._held = False
         self._queue.live -= 1
-        self._queue.tokens -= h.demand.uncached_tokens if h.demand else 0
-        assert h.demand is not None
+        self._queue.tokens -= h.demand.uncached_tokens
         if h.demand.deadline == self._timer_at:
             self._schedule()  # it was the one timed: time the next (or none)
 
@@ -416,7 +417,7 @@ class Admission:
         if changed:
             self.pump()
 
-    def _prefill_done(self, h: Handle, measured: bool = False) -> None:
+    def _prefill_done(self, h: Handle, measured: bool) -> None:
         if h._key is not None and self.ledger.prefill_done(h._key):
             if measured and h.decision is not None:
                 self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())

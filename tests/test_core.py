@@ -402,7 +402,9 @@ def test_prefix_cache_credit_lowers_kv_prefill_and_transient() -> None:
     d = ask(r, 1000, cached_tokens=300)
     assert (d.cached_tokens, d.uncached_tokens, d.kv_tokens) == (300, 700, 700)
     assert d.projected_bytes == 700 * KIB
-    assert charge_of(d, r, snapshot(NOW)) == Charge(700, 700, 700 * KIB, 0, 1)
+    assert charge_of(d, r, snapshot(NOW)) == Charge(
+        prefill_tokens=700, kv_tokens=700, projected_bytes=700 * KIB, mamba_slots=0, sequences=1
+    )
     assert ask(r, 1000, cached_tokens=5000).uncached_tokens == 0
     assert ask(r, 1000, cached_tokens=-5).uncached_tokens == 1000
     assert ask(r, 1000, cached_tokens=1000).projected_bytes == 1 * KIB  # one extend step over the last token
@@ -493,19 +495,25 @@ def test_signal_ages_never_go_negative() -> None:
 # -- the ledger ---------------------------------------------------------------------------------------
 
 
+def totals(*n: int) -> LedgerTotals:
+    """Requests, sequences, prefill tokens, KV tokens, bytes, Mamba slots; running requests, their slots."""
+    names = ("requests", "sequences", "prefill_tokens", "kv_tokens", "projected_bytes", "mamba_slots")
+    return LedgerTotals(**dict(zip((*names, "running_requests", "running_mamba_slots"), n, strict=True)))
+
+
 def test_ledger_totals_and_idempotent_release() -> None:
     ledger = Ledger()
     a = ledger.charge(
         Charge(prefill_tokens=100, kv_tokens=120, projected_bytes=5, mamba_slots=2, sequences=3)
     )
     b = ledger.charge(Charge(prefill_tokens=10, kv_tokens=12, projected_bytes=1, mamba_slots=1, sequences=1))
-    assert ledger.totals == LedgerTotals(2, 4, 110, 132, 6, 3, 2, 3) and len(ledger) == 2
+    assert ledger.totals == totals(2, 4, 110, 132, 6, 3, 2, 3) and len(ledger) == 2
     assert ledger.prefill_done(a) is True
     assert ledger.prefill_done(a) is False
-    assert ledger.totals == LedgerTotals(1, 1, 10, 12, 1, 1, 2, 3)  # a still runs, with its 2 Mamba slots
+    assert ledger.totals == totals(1, 1, 10, 12, 1, 1, 2, 3)  # a still runs, with its 2 Mamba slots
     assert ledger.release(a) is True
     assert ledger.release(a) is False
-    assert ledger.totals == LedgerTotals(1, 1, 10, 12, 1, 1, 1, 1)
+    assert ledger.totals == totals(1, 1, 10, 12, 1, 1, 1, 1)
     assert ledger.release(b) and ledger.totals == LedgerTotals()
 
 

@@ -147,7 +147,7 @@ def _mamba_claim(r: Reading) -> int:
     """
     m, t = r.rules.mamba, r.ledger
     assert m is not None
-    decoding = max(0, t.running_requests - t.requests)
+    decoding = t.running_requests - t.requests  # never negative: a prefilling request is running too
     return max(t.mamba_slots, t.running_mamba_slots - m.slots_per_request * decoding)
 
 

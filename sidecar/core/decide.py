@@ -10,9 +10,9 @@ order it is applied:
    only delay the 503.
 3. **engine_unavailable / signals_stale** - without fresh signals the gate is blind; the policy says,
    per signal, whether blind means hold, reject or admit.
-4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, KV pool, Mamba slots, engine
-   queue, pending prefill tokens) - all evaluated, the first failure names the reason, its policy
-   section's ``on_exceed`` says hold or reject.
+4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, the batch join, KV pool, Mamba
+   slots, engine queue, pending prefill tokens) - all evaluated, the first failure names the reason,
+   its policy section's ``on_exceed`` says hold or reject.
 5. **strict order** - without ``hold.backfill``, a request that would be admitted while an earlier
    one of equal or higher priority waits, waits behind it (with that one's reason).
 6. **the hold queue's bounds** - a hold becomes ``hold_timeout`` at the request's deadline

@@ -43,18 +43,26 @@ class Check:
     limit: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Charge:
-    """What the ledger books for an admitted request until its prefill is done.
-
-    ``mamba_slots`` is 0 on a lane without a Mamba pool; ``sequences`` is what the request adds to the
-    engine's queue (every prompt times every sample of it).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Booked:
+    """The quantities the ledger books: declared once, for one request's charge and for the ledger's
+    totals over every request it holds (``ledger.LedgerTotals``), which add and subtract them by name.
     """
 
     prefill_tokens: int = 0
     kv_tokens: int = 0
     projected_bytes: int = 0
     mamba_slots: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Charge(Booked):
+    """What the ledger books for an admitted request until its prefill is done.
+
+    ``mamba_slots`` is 0 on a lane without a Mamba pool; ``sequences`` is what the request adds to the
+    engine's queue (every prompt times every sample of it).
+    """
+
     sequences: int = 1
 
 

@@ -11,21 +11,22 @@ twice or leak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from itertools import count
 
-from sidecar.core.decision import Charge
+from sidecar.core.decision import Booked, Charge
+
+_BOOKED = fields(Booked)
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerTotals:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerTotals(Booked):
+    """The sums over the requests still prefilling (the booked quantities, ``decision.Booked``), and
+    what the running batch holds until each request ends."""
+
     requests: int = 0
     # Sequences those requests put in the engine's queue (a batch or `n` > 1 is several).
     sequences: int = 0
-    prefill_tokens: int = 0
-    kv_tokens: int = 0
-    projected_bytes: int = 0
-    mamba_slots: int = 0
     # Admitted and not ended (prefilling or decoding): the running batch a newcomer would join.
     running_requests: int = 0
     # Mamba slots those requests keep until they end (working state and prefill checkpoints).
@@ -78,15 +79,8 @@ class Ledger:
 
 
 def _prefill(t: LedgerTotals, c: Charge, sign: int) -> LedgerTotals:
-    return replace(
-        t,
-        requests=t.requests + sign,
-        sequences=t.sequences + sign * c.sequences,
-        prefill_tokens=t.prefill_tokens + sign * c.prefill_tokens,
-        kv_tokens=t.kv_tokens + sign * c.kv_tokens,
-        projected_bytes=t.projected_bytes + sign * c.projected_bytes,
-        mamba_slots=t.mamba_slots + sign * c.mamba_slots,
-    )
+    booked = {f.name: getattr(t, f.name) + sign * getattr(c, f.name) for f in _BOOKED}
+    return replace(t, requests=t.requests + sign, sequences=t.sequences + sign * c.sequences, **booked)
 
 
 def _running(t: LedgerTotals, c: Charge, sign: int) -> LedgerTotals:
