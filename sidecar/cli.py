@@ -36,8 +36,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="GPU sources: nvml (all devices) | nvml:<uuid>[,<uuid>...] | dcgm:<url of dcgm-exporter "
         '/metrics>[#<uuid>,...] | file:<path to {"free_bytes":N,"total_bytes":N}>\n'
-        "Reload the policy with SIGHUP or POST /admission/policy (bearer token; written to the policy "
-        "file). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener "
+        "Ports: --listen serves clients (the engine's paths, /healthz, /readyz); --admin-listen serves "
+        "/admission/* and /metrics (SECURITY.md).\n"
+        "Reload the policy with SIGHUP or POST /admission/policy on the admin port (bearer token; "
+        "written to the policy file). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener "
         "closes. A second SIGTERM exits at once.",
     )
     for name, field in Settings.model_fields.items():

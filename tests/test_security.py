@@ -264,20 +264,24 @@ async def test_serve_runs_both_listeners_from_flags_and_environment(tmp_path: Pa
             proc.send_signal(signal.SIGTERM)
             await asyncio.to_thread(proc.wait, 30)
         assert proc.returncode == 0
-        # A taken admin port is a start-up error that says which flag.
-        with socket.socket() as taken:
-            taken.bind(("127.0.0.1", 0))
-            taken.listen()
-            port = taken.getsockname()[1]
-            r = await asyncio.to_thread(
-                subprocess.run,
-                [*base, "--listen", f"127.0.0.1:{_free_port()}", "--admin-listen", f"127.0.0.1:{port}"],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        assert r.returncode == 3 and "--admin-listen" in r.stderr, r.stderr[-2000:]
+
+
+async def test_a_taken_admin_port_is_a_start_up_error_naming_the_flag(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``run_uvicorn`` opens the admin listener first: when it cannot, nothing else starts."""
+    from sidecar.app import SidecarApp
+    from sidecar.cli import run_uvicorn
+    from tests.conftest import small_policy
+
+    app = SidecarApp(upstream="http://127.0.0.1:9", policy=small_policy(), gpu_source=None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc = await asyncio.to_thread(
+            run_uvicorn, app, "127.0.0.1", 0, "warning", admin=(app.admin_asgi, "127.0.0.1", port)
+        )
+    assert rc == 3 and f"--admin-listen 127.0.0.1:{port}" in capsys.readouterr().err
+    assert app.scraper is None  # the data app never started
 
 
 def test_the_settings_have_flags_and_variables_and_refuse_a_url_as_a_host(monkeypatch) -> None:  # type: ignore[no-untyped-def]
