@@ -241,7 +241,11 @@ def gpu_case(fault: str) -> Case:
                 gpu_file.mkdir()
             elif fault == "future mtime, writer dead":
                 future = time.time() + 3600
+                touched = app.clock()
                 os.utime(gpu_file, (future, future))
+                # The touch is a change: the poll that sees it marks the reading fresh. Wait for that
+                # poll, or a loaded machine can see the old reading go stale first, then a fresh one.
+                await eventually(lambda: app.admission.snapshot.gpu.observed_at >= touched)
             await until_stale(c, url, "gpu")
             r = await gated(c, url)
             err = (await c.get(url.admin + "/admission/state")).json()["gpu"]["last_error"]
