@@ -41,6 +41,14 @@ def s(metric: str, extra: str = "") -> str:
     return f"{P}{metric}{{{SEL}{', ' + extra if extra else ''}}}"
 
 
+def quantiles(bucket: str, at: tuple[float, ...] = (0.5, 0.95, 0.99)) -> list[Dataquery]:
+    """p50/p95/p99 of one sidecar histogram across the chosen lanes (one query per quantile)."""
+    return [
+        q(f"histogram_quantile({x}, sum by (le) (rate({s(bucket)}[$__rate_interval])))", f"p{round(x * 100)}")
+        for x in at
+    ]
+
+
 def series(
     title: str, unit: str, *targets: Dataquery, desc: str = "", w: int = 12, h: int = 8
 ) -> timeseries.Panel:
@@ -256,27 +264,11 @@ def build() -> d.Dashboard:
             )
         )
     )
-    hold_q = series(
-        "Hold time quantiles",
-        "s",
-        *(
-            q(
-                f"histogram_quantile({x}, sum by (le) (rate({s('hold_seconds_bucket')}[$__rate_interval])))",
-                f"p{round(x * 100)}",
-            )
-            for x in (0.5, 0.95, 0.99)
-        ),
-    )
+    hold_q = series("Hold time quantiles", "s", *quantiles("hold_seconds_bucket"))
     ttfb = series(
         "Upstream time to first byte",
         "s",
-        *(
-            q(
-                f"histogram_quantile({x}, sum by (le) (rate({s('upstream_first_byte_seconds_bucket')}[$__rate_interval])))",
-                f"p{round(x * 100)}",
-            )
-            for x in (0.5, 0.95, 0.99)
-        ),
+        *quantiles("upstream_first_byte_seconds_bucket"),
         desc="Forwarding an admitted request to the engine's first body byte: for a stream, about the "
         "time to first token (prefill plus the wait inside SGLang).",
     )
