@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import httpx
@@ -38,16 +39,7 @@ POLICY = {
     "h200-qwen3next": "policies/h200-generic.yaml",
     "maxq-bounded": "policies/maxq-qwen3next-bounded.yaml",
 }
-TERMS = (
-    "fixed_bytes",
-    "activation_bytes_per_chunk_token",
-    "context_bytes_per_token",
-    "chunk_context_bytes",
-    "gather_bytes_per_context_token",
-    "gather_cap_bytes",
-    "batch_join_bytes",
-    "batch_join_bytes_per_running_request",
-)
+TERMS = tuple(f.name for f in fields(Coefficients))  # every term the fit reports, in its order
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -40,16 +41,7 @@ POLICY = {  # which shipped policy file describes each profile's lane (the start
     "h200": "policies/h200-generic.yaml",
     "h200-qwen3next": "policies/h200-generic.yaml",
 }
-TERMS = (
-    "fixed_bytes",
-    "activation_bytes_per_chunk_token",
-    "context_bytes_per_token",
-    "chunk_context_bytes",
-    "gather_bytes_per_context_token",
-    "gather_cap_bytes",
-    "batch_join_bytes",
-    "batch_join_bytes_per_running_request",
-)
+TERMS = tuple(f.name for f in fields(Coefficients))  # every term the fit reports, in its order
 
 
 def calibrate_model(profile: LaneProfile, start: Coefficients, **plan: object) -> tuple[ProbeRun, Fit | str]:
