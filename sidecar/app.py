@@ -30,6 +30,7 @@ from sidecar.clock import LoopClock
 from sidecar.core import demand
 from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
 from sidecar.hosts import LOCAL_NAMES_ONLY, HostCheck
+from sidecar.loads import LOADS_PATH, LoadsEndpoint
 from sidecar.observe import StateCollector, Telemetry, register_process_metrics
 from sidecar.policy import LoadedPolicy, PolicyError
 from sidecar.policy_source import PolicySource
@@ -93,6 +94,8 @@ class SidecarApp:
         self.public = build_admin(self, admin_token, public=True)
         self.admin_on_data_port = admin_on_data_port
         self.host_check, self.admin_host_check = host_check, admin_host_check
+        # Routers poll /v1/loads from the worker URL (this port): answered with the sidecar's work added.
+        self.loads = LoadsEndpoint(self.upstream, lambda: self.admission)
         # One access-log line per request; its in-flight count is what a drain waits for. The admin
         # port logs too, but a drain does not wait for a slow scrape.
         self.access = AccessLog(self._http, clock)
@@ -157,6 +160,8 @@ class SidecarApp:
                     return
                 receive = bounded
             await self.public(scope, receive, send)
+        elif scope["method"] == "GET" and normalize_path(path) == LOADS_PATH:
+            await self.loads(scope, receive, send)
         elif normalize_path(path) in self.routes.refused:
             await send_response(send, _refused(path))
         else:
@@ -270,6 +275,7 @@ class SidecarApp:
             await self.control.aclose()
         if self.tokenize_client is not None:
             await self.tokenize_client.aclose()
+        await self.loads.aclose()
         if self.gpu_source is not None:
             await self.gpu_source.aclose()
         self.telemetry.close()
