@@ -163,6 +163,31 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None, help="seed (default: the scenario's)")
     r.add_argument("--json", metavar="OUT", help="write the full result as JSON")
     r.add_argument("--plot", metavar="OUT.png", help="plot memory, pools, queue and decisions over time")
+    f = r.add_argument_group("a fleet behind a router (sidecar/sim/fleet_replay.py)")
+    f.add_argument(
+        "--lanes",
+        metavar="N|N,M|FLEET.yaml",
+        help="replay a fleet: N lanes of the scenario's profile and policy, several counts to compare, or a"
+        " fleet file (lanes: [{name, profile, policy, count}]) behind a model of SGLang's router",
+    )
+    f.add_argument(
+        "--router",
+        default="round_robin,least_load,fit",
+        metavar="RULES",
+        help="routing rules to compare: round_robin, least_load, fit (fit reads the sidecars' signals)",
+    )
+    f.add_argument(
+        "--router-flags",
+        choices=["defaults", "recommended", "both"],
+        default="both",
+        help="the router at its defaults (breaker on, /health) or with the README's recommended flags",
+    )
+    f.add_argument(
+        "--answers",
+        choices=["policy", "router", "both"],
+        default="both",
+        help="the sidecars' answers as the policy says, or with the README's block for routers (413)",
+    )
     return parser
 
 
@@ -465,6 +490,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.lanes:
+        from sidecar.sim.fleet_replay import main as fleet_main
+
+        return fleet_main(args)
     from sidecar.sim.replay import main as replay_main
 
     return replay_main(args)

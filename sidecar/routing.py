@@ -7,6 +7,8 @@ The sidecar does not route. It says, per lane, what a router needs and cannot se
   :meth:`Admission.evaluate`, which charges nothing), so it is never above what the gate would let in;
   and the gate's own projections are what keep the engine alive. 0 when nothing would be admitted now (full, held
   requests ahead, blind).
+- ``capacity_prompt_tokens``: the largest uncached prompt this lane could ever run; larger ones are
+  ``unfit_request`` (found the same way).
 - ``headroom_bytes`` after the ledger, ``held_requests`` and the oldest held wait, the engine's queue.
 - :func:`merge_engine_loads`: the engine's own ``/v1/loads`` (what the SGLang model gateway polls from
   workers, i.e. from the sidecar's data port) with the sidecar's in-flight work added: a request
@@ -25,9 +27,11 @@ from typing import Any
 from sidecar.admission import Admission
 from sidecar.core import demand
 from sidecar.core.decide import headroom_bytes
+from sidecar.core.decision import Reason
+from sidecar.core.demand import Demand
 
 FIT_RESOLUTION_TOKENS = 64  # the fit is a floor within this many tokens of the exact largest size
-_last_fit: weakref.WeakKeyDictionary[Admission, int] = weakref.WeakKeyDictionary()
+_last: weakref.WeakKeyDictionary[Admission, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 def fit_prompt_tokens(a: Admission) -> int:
@@ -37,6 +41,17 @@ def fit_prompt_tokens(a: Admission) -> int:
     Admission is monotone in the prompt (a larger prompt projects more bytes, tokens and slots), so
     a bisection finds the edge. A scrape usually finds the lane as the last one left it: the last
     answer is tried first (2 evaluations when it still holds, instead of ~20)."""
+    return _edge(a, "fit", lambda d: a.evaluate(d).admitted)
+
+
+def capacity_prompt_tokens(a: Admission) -> int:
+    """The largest uncached prompt this lane could ever run (an idle engine); a larger one is
+    ``unfit_request`` whatever happens. A router that knows it sends a request only to lanes that
+    can run it, instead of learning it from a lane's refusal (and its breaker counting that)."""
+    return _edge(a, "capacity", lambda d: a.evaluate(d).reason is not Reason.UNFIT_REQUEST)
+
+
+def _edge(a: Admission, kind: str, ok: Callable[[Demand], bool]) -> int:
     snap = a.snapshot
     e = snap.engine
     top = ((e.context_len if e and e.context_len else None) or a.rules.lane.context_len) - 1
@@ -44,12 +59,11 @@ def fit_prompt_tokens(a: Admission) -> int:
     now = a.clock.now()
 
     def admits(n: int) -> bool:
-        d = demand.build(a.rules, n, arrived_at=now, max_new_tokens=0, chunk=chunk)
-        return a.evaluate(d).admitted
+        return ok(demand.build(a.rules, n, arrived_at=now, max_new_tokens=0, chunk=chunk))
 
-    fit = _bisect(admits, top, _last_fit.get(a))
-    _last_fit[a] = fit
-    return fit
+    hints = _last.setdefault(a, {})
+    hints[kind] = edge = _bisect(admits, top, hints.get(kind))
+    return edge
 
 
 def _bisect(admits: Callable[[int], bool], top: int, hint: int | None) -> int:
@@ -89,6 +103,7 @@ def signals(a: Admission) -> dict[str, Any]:
     ledger = a.ledger.totals
     return {
         "fit_prompt_tokens": fit_prompt_tokens(a),
+        "capacity_prompt_tokens": capacity_prompt_tokens(a),
         "headroom_bytes": headroom_bytes(a.rules, a.snapshot, ledger),
         "held_requests": a.held,
         "oldest_held_wait_s": _round(a.oldest_wait_s()),

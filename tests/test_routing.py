@@ -80,6 +80,8 @@ async def test_fit_signal_is_never_above_what_the_engine_can_run(tmp_path: Path)
                 # The fit the gate advertises, run on the engine as it stands (the 150K prefill in
                 # it when busy): no crash.
                 assert fit > 0 and runs_without_crash(model, fit), (busy, fit)
+                # What the lane could ever run is at least what it can run now (idle: about the same).
+                assert sig["capacity_prompt_tokens"] >= fit
                 if task is not None:
                     task.cancel()
         fits.append(fit)
