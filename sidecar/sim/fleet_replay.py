@@ -37,12 +37,10 @@ Routing rules:
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import random
 import sys
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,11 +49,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.admission import Admission, Handle, Outcome
-from sidecar.core import demand
 from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action
 from sidecar.core.snapshot import SourceHealth
-from sidecar.policy import LoadedPolicy, Policy, PolicyError, load_policy_file
+from sidecar.policy import LoadedPolicy, Policy, load_policy_file
 from sidecar.responses import answer_for
 from sidecar.routing import capacity_prompt_tokens, fit_prompt_tokens, inflight_extra
 from sidecar.sim.engine import EngineModel
@@ -64,25 +61,19 @@ from sidecar.sim.fleet import RECOMMENDED_ROUTER_FLAGS, ROUTER_ANSWERS
 from sidecar.sim.profiles import LaneProfile, get_profile
 from sidecar.sim.readings import engine_signals, gpu_signals
 from sidecar.sim.replay import (
-    AgentClient,
     Attempt,
-    BurstClient,
     Client,
-    FixedRequests,
     RequestRecord,
-    RoundsClient,
-    _VirtualTimer,
+    VirtualLoop,
+    attempt_demand,
+    input_problem,
+    load_inputs,
+    make_clients,
     outcome_summary,
+    start_clients,
 )
 from sidecar.sim.scenario import (
-    Agents,
-    Burst,
-    Requests,
-    Rounds,
     Scenario,
-    ScenarioError,
-    load_scenario,
-    load_trace,
 )
 from sidecar.yamlconf import ConfigError, load_model, read_text
 
@@ -380,7 +371,7 @@ def make_rule(name: str) -> Rule:
 # -- the driver ---------------------------------------------------------------------------------------
 
 
-class FleetDriver:
+class FleetDriver(VirtualLoop):
     """``replay``'s clients, talking to the router model in front of the lanes, in virtual time."""
 
     def __init__(
@@ -393,15 +384,11 @@ class FleetDriver:
         flags: RouterFlags,
         seed: int,
     ) -> None:
+        super().__init__()
         self.scenario = scenario
         self.flags = flags
         self.rng = random.Random(seed)
         self.router_rng = random.Random(seed + 1)
-        self.t = 0.0
-        self._heap: list[tuple[float, int, Callable[[], None], bool]] = []
-        self._seq = 0
-        self._pending = 0
-        self._rids = Counter[str]()
         self.gated = gated
         self.lanes = [Lane(self, s, gated, seed + i) for i, s in enumerate(lanes)]
         self.rule = make_rule(rule)
@@ -411,25 +398,6 @@ class FleetDriver:
         self.router_unavailable = 0
         self.router_refused = 0
         self.clients: list[Client] = []
-
-    # The clock and scheduler the clients and the lanes' admission controllers use (as ``Driver``'s).
-
-    def at(self, t: float, fn: Callable[[], None], housekeeping: bool = False) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (max(t, self.t), self._seq, fn, housekeeping))
-        self._pending += not housekeeping
-
-    def now(self) -> float:
-        return self.t
-
-    def call_at(self, when: float, fn: Callable[[], None]) -> _VirtualTimer:
-        timer = _VirtualTimer(fn)
-        self.at(when, timer.fire)
-        return timer
-
-    def new_rid(self, prefix: str) -> str:
-        self._rids[prefix] += 1
-        return f"{prefix}-{self._rids[prefix]}"
 
     # -- client -> router ---------------------------------------------------------------------------
 
@@ -457,15 +425,7 @@ class FleetDriver:
             self._to_engine(tr)
             return
         h = tr.handle = lane.admission.open()
-        d = demand.build(
-            lane.admission.rules,
-            a.prompt_tokens,
-            arrived_at=self.t,
-            max_new_tokens=a.max_new_tokens,
-            priority=a.priority,
-            request_id=tr.rid,
-            chunk=lane.profile.chunked_prefill_size,
-        )
+        d = attempt_demand(a, lane.admission.rules, self.t, lane.profile, tr.rid)
         if h.submit(d, lambda h, tr=tr: self._gate_answered(tr, h)) is not Action.HOLD:
             self._gate_answered(tr, h)
         else:
@@ -562,34 +522,17 @@ class FleetDriver:
     # -- the loop -----------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        for w in self.scenario.workload:
-            if isinstance(w, Requests):
-                self.clients.append(FixedRequests(self, w))  # type: ignore[arg-type]
-            elif isinstance(w, Burst):
-                self.clients.append(BurstClient(self, w))  # type: ignore[arg-type]
-            elif isinstance(w, Rounds):
-                self.clients.append(RoundsClient(self, w))  # type: ignore[arg-type]
-            elif isinstance(w, Agents):
-                self.clients.extend(AgentClient(self, w, i) for i in range(w.count))  # type: ignore[arg-type]
+        self.clients = make_clients(self, self.scenario.workload)
         for lane in self.lanes:
             if lane.admission is not None:
                 self.at(0.0, lane.poll_engine, True)
                 self.at(0.0, lane.poll_gpu, True)
             self.at(0.0, lane.poll_loads, True)
             self.at(self.flags.health_interval_s, lane.health_check, True)
-        groups: dict[str, list[AgentClient]] = {}
-        for c in self.clients:
-            if isinstance(c, AgentClient):
-                groups.setdefault(c.spec.name, []).append(c)
-        for c in self.clients:
-            if isinstance(c, AgentClient) and c.spec.join is not None:
-                leader = groups[c.spec.join.after][0]
-                leader.listeners.append((c.spec.join.turn, lambda c=c: c.start(self.t)))
-            else:
-                c.start()
+        start_clients(self, self.clients)
         end = self.scenario.duration_s
         while True:
-            t_driver = self._heap[0][0] if self._heap else math.inf
+            t_driver = self.next_time()
             t_engines = [x for x in (lane.engine.next_event_time() for lane in self.lanes) if x is not None]
             t = min([t_driver, *t_engines])
             if t > end or t == math.inf:
@@ -597,10 +540,7 @@ class FleetDriver:
             self.t = t
             for lane in self.lanes:
                 self._engine_events(lane)
-            while self._heap and self._heap[0][0] <= self.t:
-                _, _, fn, housekeeping = heapq.heappop(self._heap)
-                self._pending -= not housekeeping
-                fn()
+            self.run_due()
             if not self._work_left():
                 break
         self.t = min(self.t, end)
@@ -652,16 +592,9 @@ class FleetDriver:
         }
 
 
-def run_fleet(
-    scenario: Scenario,
-    lanes: list[LaneSetup],
-    *,
-    gated: bool,
-    rule: str,
-    flags: RouterFlags,
-    seed: int,
-) -> dict[str, Any]:
-    return FleetDriver(scenario, lanes, gated=gated, rule=rule, flags=flags, seed=seed).run()
+def run_fleet(scenario: Scenario, lanes: list[LaneSetup], **kw: Any) -> dict[str, Any]:
+    """One run: ``gated``, ``rule``, ``flags`` and ``seed`` as :class:`FleetDriver` takes them."""
+    return FleetDriver(scenario, lanes, **kw).run()
 
 
 # -- setups -------------------------------------------------------------------------------------------
@@ -780,39 +713,25 @@ def _lane_counts(spec: str) -> list[int] | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    path = Path(args.scenario)
     rules = [r.strip() for r in args.router.split(",") if r.strip()]
     bad = [r for r in rules if r not in RULES]
     if bad or not rules:
         print(f"replay: --router {args.router}: rules are {', '.join(RULES)}", file=sys.stderr)
         return 2
     try:
-        if path.suffix in (".jsonl", ".log", ".ndjson"):
-            if not args.policy or not args.profile:
-                print("replay: a trace needs --policy and --profile", file=sys.stderr)
-                return 2
-            scenario = load_trace(path, profile=args.profile, policy=args.policy, seed=args.seed or 0)
-        else:
-            scenario = load_scenario(path)
-        policy = load_policy_file(Path(args.policy) if args.policy else scenario.policy_path(path.parent))
-        profile = get_profile(args.profile or scenario.profile)
+        scenario, policy, profile = load_inputs(args)
         counts = _lane_counts(args.lanes)
         if counts is not None:
             fleets = [lanes_from_count(n, profile, policy) for n in counts]
         elif Path(args.lanes).is_file():
             fleets = [load_fleet(Path(args.lanes), profile.name, policy)]
         else:
-            print(
-                f"replay: --lanes {args.lanes}: give a lane count (2), counts to compare (1,2,4) or a fleet"
-                " YAML file that exists",
-                file=sys.stderr,
+            raise ValueError(
+                f"--lanes {args.lanes}: give a lane count (2), counts to compare (1,2,4) or a fleet YAML"
+                " file that exists"
             )
-            return 2
-    except (ScenarioError, PolicyError, FleetError) as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except KeyError as e:
-        print(f"replay: {e.args[0]}", file=sys.stderr)
+    except (KeyError, ValueError) as e:  # located file problems are ValueErrors too
+        print(input_problem(e), file=sys.stderr)
         return 2
     seed = scenario.seed if args.seed is None else args.seed
     plan = setups(args.gate, args.answers, args.router_flags, rules)

@@ -30,6 +30,7 @@ from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action, Decision
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
+from sidecar.core.rules import Rules
 from sidecar.core.snapshot import SourceHealth
 from sidecar.policy import LoadedPolicy, PolicyError, load_policy_file
 from sidecar.sim.engine import EngineModel
@@ -46,6 +47,7 @@ from sidecar.sim.scenario import (
     load_scenario,
     load_trace,
 )
+from sidecar.yamlconf import ConfigError
 
 SAMPLE_S = 0.5  # series resolution in the JSON output; the plot uses every GPU poll
 
@@ -276,20 +278,100 @@ class _VirtualTimer:
         self.fn = None
 
 
-class Driver:
-    def __init__(
-        self, scenario: Scenario, profile: LaneProfile, policy: LoadedPolicy | None, seed: int
-    ) -> None:
-        self.scenario = scenario
-        self.profile = profile
-        self.policy = policy
-        self.rng = random.Random(seed)
-        self.engine = EngineModel(profile, seed=seed)
+def attempt_demand(a: Attempt, rules: Rules, now: float, profile: LaneProfile, request_id: str) -> Demand:
+    """What an attempt asks of a lane's gate, as if it arrived ``now``."""
+    return demand.build(
+        rules,
+        a.prompt_tokens,
+        arrived_at=now,
+        max_new_tokens=a.max_new_tokens,
+        priority=a.priority,
+        request_id=request_id,
+        chunk=profile.chunked_prefill_size,
+    )
+
+
+class VirtualLoop:
+    """The virtual clock and event heap of a replay: what the clients schedule their requests on, and
+    what the admission controller reads the time from and schedules its hold deadlines on (one lane's
+    :class:`Driver`, or a fleet's)."""
+
+    def __init__(self) -> None:
         self.t = 0.0
         self._heap: list[tuple[float, int, Callable[[], None], bool]] = []
         self._seq = 0
         self._pending = 0
         self._rids = Counter[str]()
+
+    def at(self, t: float, fn: Callable[[], None], housekeeping: bool = False) -> None:
+        """Schedule ``fn``; housekeeping (pollers, sampling) alone does not keep the replay running."""
+        self._seq += 1
+        heapq.heappush(self._heap, (max(t, self.t), self._seq, fn, housekeeping))
+        self._pending += not housekeeping
+
+    def now(self) -> float:
+        return self.t
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> _VirtualTimer:
+        timer = _VirtualTimer(fn)
+        self.at(when, timer.fire)
+        return timer
+
+    def new_rid(self, prefix: str) -> str:
+        self._rids[prefix] += 1
+        return f"{prefix}-{self._rids[prefix]}"
+
+    def run_due(self) -> None:
+        """Everything scheduled up to now, in order."""
+        while self._heap and self._heap[0][0] <= self.t:
+            _, _, fn, housekeeping = heapq.heappop(self._heap)
+            self._pending -= not housekeeping
+            fn()
+
+    def next_time(self) -> float:
+        return self._heap[0][0] if self._heap else math.inf
+
+
+def make_clients(driver: Any, workload: list[Any]) -> list[Client]:
+    """The scenario's workload as clients of ``driver`` (anything with ``at``, ``send``, ``new_rid``,
+    ``rng``, ``scenario`` and ``t``)."""
+    clients: list[Client] = []
+    for w in workload:
+        if isinstance(w, Requests):
+            clients.append(FixedRequests(driver, w))
+        elif isinstance(w, Burst):
+            clients.append(BurstClient(driver, w))
+        elif isinstance(w, Rounds):
+            clients.append(RoundsClient(driver, w))
+        elif isinstance(w, Agents):
+            clients.extend(AgentClient(driver, w, i) for i in range(w.count))
+    return clients
+
+
+def start_clients(driver: Any, clients: list[Client]) -> None:
+    """Start them; an agent group that joins another's turn starts when that turn is done."""
+    groups: dict[str, list[AgentClient]] = {}
+    for c in clients:
+        if isinstance(c, AgentClient):
+            groups.setdefault(c.spec.name, []).append(c)
+    for c in clients:
+        if isinstance(c, AgentClient) and c.spec.join is not None:
+            leader = groups[c.spec.join.after][0]
+            leader.listeners.append((c.spec.join.turn, lambda c=c: c.start(driver.t)))
+        else:
+            c.start()
+
+
+class Driver(VirtualLoop):
+    def __init__(
+        self, scenario: Scenario, profile: LaneProfile, policy: LoadedPolicy | None, seed: int
+    ) -> None:
+        super().__init__()
+        self.scenario = scenario
+        self.profile = profile
+        self.policy = policy
+        self.rng = random.Random(seed)
+        self.engine = EngineModel(profile, seed=seed)
         self.attempts: dict[str, Attempt] = {}
         self.records: dict[str, RequestRecord] = {}
         self.recorder = Recorder(self)
@@ -314,28 +396,6 @@ class Driver:
         self.retractions = 0
         self.clients: list[Client] = []
 
-    # -- scheduling ---------------------------------------------------------------------------------
-
-    def at(self, t: float, fn: Callable[[], None], housekeeping: bool = False) -> None:
-        """Schedule ``fn``; housekeeping (pollers, sampling) alone does not keep the replay running."""
-        self._seq += 1
-        heapq.heappush(self._heap, (max(t, self.t), self._seq, fn, housekeeping))
-        self._pending += not housekeeping
-
-    # The virtual clock the admission controller reads and schedules its hold deadlines on.
-
-    def now(self) -> float:
-        return self.t
-
-    def call_at(self, when: float, fn: Callable[[], None]) -> _VirtualTimer:
-        timer = _VirtualTimer(fn)
-        self.at(when, timer.fire)
-        return timer
-
-    def new_rid(self, prefix: str) -> str:
-        self._rids[prefix] += 1
-        return f"{prefix}-{self._rids[prefix]}"
-
     # -- the client side ----------------------------------------------------------------------------
 
     def send(self, client: Client, a: Attempt) -> None:
@@ -354,15 +414,7 @@ class Driver:
     def _demand(self, a: Attempt) -> Demand:
         """The attempt's demand as if it arrived now."""
         assert self.admission is not None
-        return demand.build(
-            self.admission.rules,
-            a.prompt_tokens,
-            arrived_at=self.t,
-            max_new_tokens=a.max_new_tokens,
-            priority=a.priority,
-            request_id=a.rid,
-            chunk=self.profile.chunked_prefill_size,
-        )
+        return attempt_demand(a, self.admission.rules, self.t, self.profile, a.rid)
 
     def _probe(self, rec: RequestRecord, a: Attempt) -> None:
         assert self.admission is not None
@@ -487,29 +539,12 @@ class Driver:
     # -- the loop -----------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        for w in self.scenario.workload:
-            if isinstance(w, Requests):
-                self.clients.append(FixedRequests(self, w))
-            elif isinstance(w, Burst):
-                self.clients.append(BurstClient(self, w))
-            elif isinstance(w, Rounds):
-                self.clients.append(RoundsClient(self, w))
-            elif isinstance(w, Agents):
-                self.clients.extend(AgentClient(self, w, i) for i in range(w.count))
+        self.clients = make_clients(self, self.scenario.workload)
         if self.admission is not None:
             # The sidecar reads its signals before the first client arrives, as a started sidecar has.
             self.at(0.0, self._poll_engine, True)
             self.at(0.0, self._poll_gpu, True)
-        groups: dict[str, list[AgentClient]] = {}
-        for c in self.clients:
-            if isinstance(c, AgentClient):
-                groups.setdefault(c.spec.name, []).append(c)
-        for c in self.clients:
-            if isinstance(c, AgentClient) and c.spec.join is not None:
-                leader = groups[c.spec.join.after][0]
-                leader.listeners.append((c.spec.join.turn, lambda c=c: c.start(self.t)))
-            else:
-                c.start()
+        start_clients(self, self.clients)
         self.at(0.0, self._sample, True)
         for ev in self.scenario.gpu_events:
             self.at(
@@ -517,17 +552,14 @@ class Driver:
             )
         end = self.scenario.duration_s
         while True:
-            t_driver = self._heap[0][0] if self._heap else math.inf
+            t_driver = self.next_time()
             t_engine = self.engine.next_event_time()
             t = min(t_driver, t_engine if t_engine is not None else math.inf)
             if t > end or t == math.inf:
                 break
             self.t = t
             self._engine_events()
-            while self._heap and self._heap[0][0] <= self.t:
-                _, _, fn, housekeeping = heapq.heappop(self._heap)
-                self._pending -= not housekeeping
-                fn()
+            self.run_due()
             if not self._work_left():
                 break
         self.t = min(self.t, end)
@@ -670,24 +702,32 @@ def plot_path_problem(out: str) -> str | None:
     return None
 
 
-def main(args: argparse.Namespace) -> int:
+def load_inputs(args: argparse.Namespace) -> tuple[Scenario, LoadedPolicy, LaneProfile]:
+    """The scenario (or trace), policy and profile the command line names. Raises ScenarioError,
+    PolicyError, KeyError (no such profile) or ValueError (a trace without --policy and --profile)."""
     path = Path(args.scenario)
+    if path.suffix in (".jsonl", ".log", ".ndjson"):
+        if not args.policy or not args.profile:
+            raise ValueError("a trace needs --policy and --profile")
+        scenario = load_trace(path, profile=args.profile, policy=args.policy, seed=args.seed or 0)
+    else:
+        scenario = load_scenario(path)
+    policy = load_policy_file(Path(args.policy) if args.policy else scenario.policy_path(path.parent))
+    return scenario, policy, get_profile(args.profile or scenario.profile)
+
+
+def input_problem(e: Exception) -> str:
+    """What ``replay`` prints for a problem ``load_inputs`` raised."""
+    if isinstance(e, ConfigError):  # a scenario's, policy's or fleet file's located problems
+        return str(e)
+    return f"replay: {e.args[0]}"
+
+
+def main(args: argparse.Namespace) -> int:
     try:
-        if path.suffix in (".jsonl", ".log", ".ndjson"):
-            if not args.policy or not args.profile:
-                print("replay: a trace needs --policy and --profile", file=sys.stderr)
-                return 2
-            scenario = load_trace(path, profile=args.profile, policy=args.policy, seed=args.seed or 0)
-        else:
-            scenario = load_scenario(path)
-        policy_path = Path(args.policy) if args.policy else scenario.policy_path(path.parent)
-        policy = load_policy_file(policy_path)
-        profile = get_profile(args.profile or scenario.profile)
-    except (ScenarioError, PolicyError) as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except KeyError as e:
-        print(f"replay: {e.args[0]}", file=sys.stderr)
+        scenario, policy, profile = load_inputs(args)
+    except (ScenarioError, PolicyError, KeyError, ValueError) as e:
+        print(input_problem(e), file=sys.stderr)
         return 2
     if args.plot and (problem := plot_path_problem(args.plot)):
         print(f"replay: --plot {args.plot}: {problem}", file=sys.stderr)
