@@ -15,6 +15,7 @@ polls never queue behind the scraper that feeds the gate.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from urllib.parse import parse_qs
 
@@ -25,6 +26,8 @@ from sidecar.asgi import Receive, Scope, Send
 from sidecar.responses import error_response, json_response, send_response
 from sidecar.routing import merge_engine_loads
 from sidecar.signals.engine import make_control_client
+
+log = logging.getLogger("sidecar.loads")
 
 LOADS_PATH = "/v1/loads"
 MAX_LOADS_BYTES = 4 << 20  # a /v1/loads document is ~2 KB per DP rank
@@ -55,9 +58,10 @@ class LoadsEndpoint:
         try:
             resp = await self.client.get(url, headers=headers)
         except httpx.HTTPError as exc:
+            # The engine's address stays in the sidecar's log, not in an answer on the data port.
+            log.warning("GET %s for a router: %r", url, exc)
             await send_response(
-                send,
-                error_response(502, f"engine unreachable for {LOADS_PATH}: {exc!r}", "engine_unavailable"),
+                send, error_response(502, f"engine unreachable for {LOADS_PATH}", "engine_unavailable")
             )
             return
         body = resp.content
