@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -125,6 +126,9 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
             "required": a.policy.gpu.required,
             "on_stale": a.policy.gpu.on_stale.value,
         },
+        # What the sidecar measured of its lane: idle free memory (vram.idle_free_bytes: auto) and
+        # the under-prediction monitor, with the cost margin in force.
+        **_watch_state(a, now),
         "ledger": {
             "requests": ledger.requests,
             "prefill_tokens": ledger.prefill_tokens,
@@ -149,6 +153,7 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
                 kv_pool_tokens=e.max_total_tokens if e else None,
                 mamba_slots=e.mamba_total_slots if e else None,
                 chunk=e.chunked_prefill_size if e else None,
+                rules=a.rules,
             ).as_dict(),
             **app.policy_source.state(),
         },
@@ -156,10 +161,34 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
     if public:
         out["engine"]["last_error"] = out["gpu"]["last_error"] = out["gpu"]["source"] = None
         out["policy"]["path"] = None
+        # Other clients' request ids stay on the admin port.
+        if out["monitor"]["last"] is not None:
+            out["monitor"]["last"]["request_ids"] = None
+        out["monitor"]["margin"]["why"] = None
         for key in ("last_reload", "last_failure"):
             if out["policy"][key] is not None:
                 out["policy"][key] = out["policy"][key] | {"error": None}
     return out
+
+
+def _watch_state(a: Admission, now: float) -> dict[str, Any]:
+    """The lane watch's state with wall-clock times (UTC, ISO 8601) beside its ages."""
+    out = a.watch.state(now)
+    idle, margin = out["idle_free"], out["monitor"]["margin"]
+    idle["in_force_bytes"] = a.rules.vram.idle_free_bytes
+    idle["headroom_in_force"] = a.rules.vram.headroom.value
+    idle["measured_at"] = _wall(idle["measured_age_s"])
+    margin["since"] = _wall(margin["since_age_s"])
+    last = out["monitor"]["last"]
+    if last is not None:
+        last["at"] = _wall(last["age_s"])
+    return out
+
+
+def _wall(age_s: float | None) -> str | None:
+    if age_s is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - age_s))
 
 
 def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> FastAPI:
@@ -231,6 +260,12 @@ def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> 
             "uncached_tokens": demand.uncached_tokens,
             "held_ahead": a.held,
             "policy": a.policy.name,
+            # The margin and idle figure this answer was priced with (the monitor may have raised one,
+            # the sidecar may not have measured the other yet).
+            "margin": a.rules.cost.margin,
+            "headroom_from": a.rules.vram.headroom.value,
+            "idle_free_bytes": a.rules.vram.idle_free_bytes,
+            "idle_free_note": a.watch.state(a.clock.now())["idle_free"]["note"],
         }
         return JSONResponse(out)
 

@@ -35,6 +35,7 @@ from sidecar.core.prefill_rate import PrefillRate
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot
 from sidecar.intake import rules_of
+from sidecar.monitor import LaneWatch
 from sidecar.policy import LoadedPolicy, Policy
 
 log = logging.getLogger("sidecar.admission")
@@ -191,7 +192,10 @@ class Admission:
         observer: Observer | None = None,
     ) -> None:
         self.loaded = policy
-        self.rules: Rules = rules_of(policy.policy)
+        # What the sidecar learns of its lane (idle free memory, under-predictions): the rules in
+        # force are the policy's with the margin and the idle figure it supplies.
+        self.watch = LaneWatch(policy.policy)
+        self.rules: Rules = self.watch.effective(rules_of(policy.policy))
         self.clock = clock
         self.shadow = shadow
         self.observer: Observer = _Guarded(observer or NullObserver())
@@ -254,18 +258,26 @@ class Admission:
 
     def update_snapshot(self, snap: Snapshot) -> None:
         self.snapshot = snap
+        if self.watch.observe(snap, self.ledger.totals, self.rules, self.clock.now()):
+            self._apply_rules()
         self.pump()
 
     def reload(self, policy: LoadedPolicy) -> None:
         """A new policy: held requests are priced again under it (a new deadline too), then re-decided."""
         self.loaded = policy
-        self.rules = rules_of(policy.policy)
+        self.watch.reload(policy.policy)
+        self._apply_rules()
+        self.pump()
+
+    def _apply_rules(self) -> None:
+        """The rules in force changed (a policy, a measured idle figure, a raised margin): held
+        requests are priced again under them."""
+        self.rules = self.watch.effective(rules_of(self.loaded.policy))
         for h in self._queue.heap:
             if h.held and h.demand is not None:
                 h.demand = reprice(self.rules, h.demand)
                 self._arm(h)
         self._queue.tokens = sum(h.demand.uncached_tokens for h in self._queue.heap if h.held and h.demand)
-        self.pump()
 
     def drain(self) -> None:
         """Stop admitting: new requests and everything held get 503 ``draining``."""
@@ -394,6 +406,7 @@ class Admission:
         if not len(self.ledger):
             self.prefill_rate.busy(self.clock.now())
         h._key = self.ledger.charge(d.charge)
+        self.watch.charged(h._key, h.demand.request_id, self.ledger.totals, self.rules.cost, self.clock.now())
         if h.shadow_reject is None:
             self.observer.decision(d, h.demand, h.waited_s, self.ledger.totals)
 
@@ -412,6 +425,7 @@ class Admission:
             self._leave_queue(h)  # the client left while held: no decision, the next one may go
         if h._key is not None:
             self.ledger.release(h._key)
+            self.watch.ended(h._key, self.clock.now())
             h._key = None
         self.observer.outcome(outcome)
         if changed:

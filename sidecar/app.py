@@ -216,6 +216,8 @@ class SidecarApp:
             max_metrics_bytes=policy.engine.max_metrics_bytes,
         )
         self.scraper.on_implausible = lambda series: self.telemetry.implausible("engine", series)
+        # A new engine process: its idle free memory is measured again (vram.idle_free_bytes: auto).
+        self.scraper.on_engine_changed = lambda why: self.admission.watch.engine_restarted(self.clock(), why)
         self._tasks.append(asyncio.create_task(self.scraper.run(self._on_engine), name="engine-scraper"))
         if self.gpu_poller is not None:
             self._tasks.append(asyncio.create_task(self.gpu_poller.run(self._on_gpu), name="gpu-poller"))

@@ -5,7 +5,7 @@ on behalf of the decision.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -14,6 +14,7 @@ from sidecar.core import demand
 from sidecar.core.demand import Demand
 from sidecar.core.rules import (
     CostModel,
+    HeadroomSource,
     HoldRules,
     KvRules,
     LaneRules,
@@ -33,11 +34,18 @@ T = TypeVar("T", bound=Any)
 
 def rules_of(p: Policy) -> Rules:
     """The decision's view of a validated policy, built once per loaded policy. Each core section takes
-    the policy section's fields of the same names (a new field is added to both, nothing here)."""
+    the policy section's fields of the same names (a new field is added to both, nothing here).
+
+    ``vram.idle_free_bytes: auto`` is no figure yet: until the sidecar has measured it
+    (``sidecar/monitor.py`` then supplies it), the headroom is live GPU free memory and no transient
+    is unfit for its size alone."""
+    vram = _view(VramRules, p.vram)
+    if p.vram.idle_free_auto:
+        vram = replace(vram, headroom=HeadroomSource.NVML_FREE, idle_free_bytes=None)
     return Rules(
         lane=_view(LaneRules, p.lane),
         cost=_view(CostModel, p.cost),
-        vram=_view(VramRules, p.vram),
+        vram=vram,
         kv=_view(KvRules, p.kv),
         mamba=None if p.mamba is None else _view(MambaRules, p.mamba),
         engine_queue=LimitRules(p.engine_queue.max_requests, p.engine_queue.on_exceed),

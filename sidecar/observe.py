@@ -419,10 +419,45 @@ class StateCollector(Collector):
         lost.add_metric([], float(pipeline.dropped if pipeline else 0))
         yield lost
 
+        yield from watch_metrics(a)
+
         info = GaugeMetricFamily(PREFIX + "policy_info", "The policy in force", labels=["name", "sha256"])
         info.add_metric([a.policy.name, a.loaded.sha256], 1.0)
         yield info
         yield from policy_limits(a.policy)
+
+
+def watch_metrics(a: Admission) -> Iterable[Metric]:
+    """The lane watch (``sidecar/monitor.py``): under-predictions seen, the margin and idle figure in
+    force. The worst ratio and the measured idle figure are absent until there is one."""
+    w = a.watch
+    found = CounterMetricFamily(
+        PREFIX + "projection_underestimates",
+        "GPU readings that showed more memory allocated than the ledger projected for what was running "
+        "(one per finding; the same requests' growing prefill counts once)",
+    )
+    found.add_metric([], float(w.underestimates))
+    yield found
+    if w.worst_ratio is not None:
+        worst = GaugeMetricFamily(
+            PREFIX + "projection_underestimate_worst_ratio",
+            "The largest observed/projected allocation ratio since the sidecar started",
+        )
+        worst.add_metric([], w.worst_ratio)
+        yield worst
+    margin = GaugeMetricFamily(
+        PREFIX + "cost_margin",
+        "The cost margin in force: the policy's cost.margin, or higher where the monitor raised it",
+    )
+    margin.add_metric([], float(a.rules.cost.margin))
+    yield margin
+    if w.idle is not None:
+        idle = GaugeMetricFamily(
+            PREFIX + "idle_free_bytes",
+            "GPU free memory the sidecar measured with the engine idle (this engine process)",
+        )
+        idle.add_metric([], float(w.idle.free_bytes))
+        yield idle
 
 
 def policy_limits(p: Policy) -> Iterable[Metric]:
@@ -439,6 +474,7 @@ def policy_limits(p: Policy) -> Iterable[Metric]:
             g.add_metric([], float(value))
         return g
 
+    yield one("policy_cost_margin", "cost.margin: the policy's own margin on every cost term", p.cost.margin)
     yield one(
         "policy_reserve_bytes",
         "vram.reserve_bytes: GPU memory the gate never hands out",

@@ -176,12 +176,30 @@ class Cost(_Strict):
         return {**COST_PRESETS[name], **data}
 
 
+# ``vram.idle_free_bytes: auto``: the sidecar measures the figure itself.
+AUTO = "auto"
+
+
+def _size_or_auto(value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"{e}; or auto, to let the sidecar measure it") from None
+
+
+IdleFreeSize = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
+
+
 class Vram(_Strict):
     """Free VRAM against what prefills will allocate (``HeadroomSource`` says which free memory)."""
 
     headroom: HeadroomSource = HeadroomSource.NVML_FREE
-    # NVML free with the engine idle and warmed up (CUDA graphs captured), measured on the lane.
-    idle_free_bytes: Size | None = None
+    # NVML free with the engine idle and warmed up (CUDA graphs captured), measured on the lane; or
+    # ``auto``: measured by the sidecar itself (``sidecar/monitor.py: IdleFree``), again after every
+    # engine restart; until it is measured the headroom is live GPU free memory (``nvml_free``).
+    idle_free_bytes: IdleFreeSize | None = None
     # What other processes held on the card when idle_free_bytes was measured; growth beyond it comes
     # out of the budget (idle_budget mode, GPU sources that report per-process memory).
     other_processes_bytes: Size | None = None
@@ -194,8 +212,36 @@ class Vram(_Strict):
     @model_validator(mode="after")
     def _budget_needs_figure(self) -> Vram:
         if self.headroom is HeadroomSource.IDLE_BUDGET and self.idle_free_bytes is None:
-            raise ValueError("headroom: idle_budget needs idle_free_bytes (NVML free, engine idle and warm)")
+            raise ValueError(
+                "headroom: idle_budget needs idle_free_bytes (NVML free, engine idle and warm, or auto)"
+            )
         return self
+
+    @property
+    def idle_free_auto(self) -> bool:
+        return self.idle_free_bytes == AUTO
+
+    @property
+    def idle_free_figure(self) -> int | None:
+        """The policy's own figure (None when it gives none or says ``auto``)."""
+        return self.idle_free_bytes if isinstance(self.idle_free_bytes, int) else None
+
+
+class Monitor(_Strict):
+    """The live under-prediction monitor (``sidecar/monitor.py``): GPU memory against the ledger.
+
+    Always on, in shadow and enforce: an allocation larger than the ledger's projection for what was
+    running is counted and logged. With ``raise_margin`` the cost margin in force rises to cover it
+    (observed / projected x margin, plus ``step``), never above ``max_margin``; a policy reload starts
+    again from the policy's own margin. An allocation within ``tolerance`` (relative) of the projection
+    or smaller than ``min_bytes`` over it is allocator rounding, not a finding.
+    """
+
+    raise_margin: bool = True
+    max_margin: float = Field(default=1.5, ge=1.0)
+    step: float = Field(default=0.05, ge=0.0, le=1.0)
+    tolerance: float = Field(default=0.02, ge=0.0, le=1.0)
+    min_bytes: Size = 32 * 1024 * 1024
 
 
 class Kv(_Strict):
@@ -418,6 +464,7 @@ class Policy(_Strict):
     limits: Limits = Limits()
     answers: Answers = Answers()
     priority: Priority = Priority()
+    monitor: Monitor = Monitor()
 
     def located_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
         """Policies that validate field by field but could never admit anything, each at its field.
@@ -427,7 +474,7 @@ class Policy(_Strict):
         """
         problems: list[tuple[tuple[str | int, ...], str]] = []
         v = self.vram
-        if v.idle_free_bytes is not None and v.reserve_bytes >= v.idle_free_bytes:
+        if v.idle_free_figure is not None and v.reserve_bytes >= v.idle_free_figure:
             problems.append(
                 (
                     ("vram", "reserve_bytes"),

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from sidecar.core.cost import project_bytes, shape
 from sidecar.core.decision import Action
+from sidecar.core.rules import Rules
 from sidecar.intake import rules_of
 from sidecar.policy import HeadroomSource, Policy, SignalPolicy, format_size
 
@@ -56,6 +57,9 @@ class PolicySummary:
     hold_max_held: int
     hold_max_wait_s: float
     on_stale: dict[str, str]
+    # Where the idle figure comes from, and what the under-prediction monitor may do.
+    idle_free: str
+    monitor: str
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -80,15 +84,18 @@ def summarize(
     kv_pool_tokens: int | None = None,
     mamba_slots: int | None = None,
     chunk: int | None = None,
+    rules: Rules | None = None,
 ) -> PolicySummary:
     """The policy's limits on this lane. Keyword arguments are the engine's reports, when known; the
-    policy's ``lane`` section is the fallback, exactly as in the gate."""
+    policy's ``lane`` section is the fallback, exactly as in the gate. ``rules``: the rules in force
+    (a running sidecar's, with its measured idle figure and the margin the monitor set), else the
+    policy's own."""
     lane = policy.lane
     context = context_len or lane.context_len
     pool = kv_pool_tokens or lane.kv_pool_tokens
     slots = mamba_slots or lane.mamba_slots
     chunk = chunk or lane.chunked_prefill_size
-    rules = rules_of(policy)
+    rules = rules or rules_of(policy)
     cap = rules.vram.transient_cap()
 
     def transient(n: int) -> int:
@@ -105,7 +112,8 @@ def summarize(
         else:
             n = _largest(lambda k: transient(k) <= cap, SEARCH_LIMIT)
         how = (
-            f"idle budget {format_size(policy.vram.idle_free_bytes)} - reserve "
+            f"idle budget {format_size(rules.vram.idle_free_bytes)}"
+            f"{' (measured by the sidecar)' if policy.vram.idle_free_auto else ''} - reserve "
             f"{format_size(policy.vram.reserve_bytes)}"
             if policy.vram.max_transient_bytes is None
             else "vram.max_transient_bytes"
@@ -114,13 +122,13 @@ def summarize(
             PromptLimit("transient", n, f"projected prefill transient <= {format_size(cap)}: {how}")
         )
     else:
-        limits.append(
-            PromptLimit(
-                "transient",
-                None,
-                "no cap: headroom is live GPU free memory, a request waits until its transient fits",
+        why = "no cap: headroom is live GPU free memory, a request waits until its transient fits"
+        if policy.vram.idle_free_auto:
+            why = (
+                "no cap until the sidecar has measured idle free memory (vram.idle_free_bytes: auto); "
+                "meanwhile headroom is live GPU free memory and a request waits until its transient fits"
             )
-        )
+        limits.append(PromptLimit("transient", None, why))
     if pool is not None:
         room = pool - policy.kv.reserve_tokens
         limits.append(
@@ -161,7 +169,9 @@ def summarize(
 
     return PolicySummary(
         name=policy.name,
-        headroom=policy.vram.headroom.value,
+        headroom=policy.vram.headroom.value
+        if rules.vram.headroom is policy.vram.headroom
+        else f"{rules.vram.headroom.value} until idle free memory is measured, then {policy.vram.headroom.value}",
         transient_cap_bytes=cap,
         max_prompt_tokens=max_prompt,
         limited_by=tightest.by if tightest else None,
@@ -172,6 +182,35 @@ def summarize(
         hold_max_held=policy.hold.max_held,
         hold_max_wait_s=policy.hold.max_wait_s,
         on_stale=_on_stale(policy),
+        idle_free=_idle_free(policy, rules),
+        monitor=_monitor(policy),
+    )
+
+
+def _idle_free(policy: Policy, rules: Rules) -> str:
+    v = policy.vram
+    if not v.idle_free_auto:
+        return (
+            "not used"
+            if v.idle_free_figure is None
+            else f"{format_size(v.idle_free_figure)} (the policy's figure)"
+        )
+    if rules.vram.idle_free_bytes is None:
+        return (
+            "auto: measured by the sidecar once the engine is idle, again after each engine restart; "
+            "until then headroom is live GPU free memory"
+        )
+    return f"auto: {format_size(rules.vram.idle_free_bytes)}, measured by the sidecar with the engine idle"
+
+
+def _monitor(policy: Policy) -> str:
+    m = policy.monitor
+    if not m.raise_margin:
+        return "under-predictions are counted and logged; cost.margin stays as written"
+    cap = max(m.max_margin, policy.cost.margin)
+    return (
+        f"under-predictions are counted and logged, and raise cost.margin ({policy.cost.margin:g}) to "
+        f"cover them + {m.step:g}, up to {cap:g}, until the next policy load"
     )
 
 
@@ -189,6 +228,7 @@ def _on_stale(policy: Policy) -> dict[str, str]:
         "engine": f"older than {e.max_age_s:g} s (polled every {e.poll_interval_s:g} s): {_blind(e, policy)}; after "
         f"{e.unavailable_after_failures} failed reads in a row: 503 engine_unavailable",
     }
+    blind = f"older than {g.max_age_s:g} s (polled every {g.poll_interval_s:g} s): {_blind(g, policy)}"
     if policy.vram.headroom is HeadroomSource.IDLE_BUDGET:
         out["gpu"] = (
             "not used to admit (headroom is the idle budget); when fresh, other processes' growth "
@@ -196,12 +236,12 @@ def _on_stale(policy: Policy) -> dict[str, str]:
             if policy.vram.other_processes_bytes is not None
             else "not used to admit (headroom is the idle budget)"
         )
+        if policy.vram.idle_free_auto:
+            out["gpu"] = f"until idle free memory is measured, {blind}; then " + out["gpu"]
     elif not g.required:
         out["gpu"] = "optional: without a GPU source the VRAM constraint is off"
     else:
-        out["gpu"] = (
-            f"older than {g.max_age_s:g} s (polled every {g.poll_interval_s:g} s): {_blind(g, policy)}"
-        )
+        out["gpu"] = blind
     return out
 
 
@@ -230,6 +270,8 @@ def render(summary: PolicySummary) -> list[str]:
     )
     for signal, what in s.on_stale.items():
         lines.append(f"  {signal} signal: {what}")
+    lines.append(f"  idle free memory: {s.idle_free}")
+    lines.append(f"  monitor: {s.monitor}")
     return lines
 
 

@@ -542,6 +542,9 @@ class EngineScraper:
         # a hook that counts each one.
         self.last_implausible: tuple[str, ...] = ()
         self.on_implausible: Callable[[str], None] = lambda series: None
+        # Called with the reason when the engine is noticed to have restarted (a new process: new
+        # scheduler pids, a new pool, or back after failed scrapes without the old pids).
+        self.on_engine_changed: Callable[[str], None] = lambda why: None
 
     async def aclose(self) -> None:
         """Close the HTTP client if this scraper created it (an injected one belongs to the caller)."""
@@ -554,7 +557,7 @@ class EngineScraper:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _engine_changed(self, why: str) -> None:
+    def _engine_changed(self, why: str, *, new_process: bool = True) -> None:
         log.info(
             "engine at %s changed (%s): re-reading /server_info, re-probing /v1/loads", self.base_url, why
         )
@@ -564,6 +567,8 @@ class EngineScraper:
         # The old engine's constants may no longer hold: unknown until re-read, never guessed.
         self._server_info = None
         self._version = None
+        if new_process:
+            self.on_engine_changed(why)
 
     async def _get(self, path: str, headers: Mapping[str, str]) -> tuple[str, httpx.Response]:
         url = self.base_url + path
@@ -690,7 +695,9 @@ class EngineScraper:
 
         pids, pool = reading.pids, reading.fields.get("max_total_tokens")
         if self._failed_since_last_ok:
-            self._engine_changed("it answered again after a failed scrape")
+            # The same scheduler pids as before the failure: the same process, only a lost scrape.
+            same = bool(pids) and pids == self._pids
+            self._engine_changed("it answered again after a failed scrape", new_process=not same)
         elif self._pids and pids and pids != self._pids:
             self._engine_changed(f"scheduler pid {sorted(self._pids)} -> {sorted(pids)}")
         elif self._pool is not None and pool is not None and pool != self._pool:

@@ -498,6 +498,9 @@ class Driver(VirtualLoop):
         assert self.admission is not None
         snap = self.admission.snapshot
         if self.engine.up:
+            if self.engine_health.consecutive_failures:
+                # Answered again after failed reads: a new engine process, as the live scraper sees it.
+                self.admission.watch.engine_restarted(self.t, "it answered again after a failed scrape")
             self.engine_health = SourceHealth(self.t, None, 0)
             snap = replace(snap, engine=engine_signals(self.engine, self.t), engine_health=self.engine_health)
         else:
@@ -591,6 +594,8 @@ class Driver(VirtualLoop):
         if self.admission is not None:
             out["decisions"] = {f"{a}/{r}": n for (a, r), n in sorted(self.recorder.counts.items())}
             out["ledger_at_end"] = self.admission.ledger.totals.requests
+            # The under-prediction monitor, as /admission/state shows it (sidecar/monitor.py).
+            out["monitor"] = self.admission.watch.state(self.t)
         out["requests_detail"] = [r.__dict__ for r in self.records.values()]
         out["series"] = self.series
         out["decision_events"] = self.recorder.decisions

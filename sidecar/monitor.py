@@ -1,0 +1,354 @@
+"""The lane watch: what the sidecar learns about its lane while serving, from the readings it polls.
+
+Two things, both fed by :class:`~sidecar.admission.Admission` (so the live proxy and ``replay`` run
+this same code) and both shown in ``/admission/state``:
+
+* **The idle figure** (``vram.idle_free_bytes: auto``). GPU free memory with the engine idle: its
+  fresh report says nothing runs or waits, the ledger is empty, and both readings were taken after
+  the last request ended. Measured once per engine process: before any traffic it keeps the largest
+  such reading (warm-up may still settle); a first measurement after traffic is a caching allocator's
+  low-water mark, which is conservative, and is not raised later. An engine restart (noticed by the
+  engine scraper, ``EngineScraper.on_engine_changed``) forgets it and measures again. Until it is
+  measured the gate uses live GPU free memory (``intake.rules_of``): the safe side.
+* **The under-prediction monitor**. At every new GPU reading, the engine's allocation beyond its idle
+  figure (idle free minus free now, less what other processes grew by: the engine process's own used
+  memory where NVML gives per-process figures) against the ledger's projection for what was running:
+  the prefill transients it holds and the batch-join term of its running batch, the largest since the
+  previous reading. A caching allocator (PyTorch's, so SGLang's) shows only new peaks, so a reading
+  below the lowest free seen so far is compared with the largest projection since the idle figure
+  was measured; a drop that is not a new low (an engine that returns memory) with the window's
+  largest. Larger by more than the policy's tolerance: counted, logged with the request ids and the
+  numbers, and, with ``monitor.raise_margin``, the cost margin in force rises to cover it, bounded by
+  ``monitor.max_margin``, until the next policy load (a reload is a new calibration).
+
+Nothing here does I/O or reads a clock: ``now`` is passed in. The decision never reads this object;
+it reads the :class:`~sidecar.core.Rules` that :meth:`LaneWatch.effective` builds, in which the margin
+and the idle figure are plain inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.rules import CostModel, Rules
+from sidecar.core.snapshot import GpuSignals, Snapshot
+from sidecar.policy import Monitor, Policy
+
+log = logging.getLogger("sidecar.monitor")
+
+# At most this many request ids in a finding's log line and in /admission/state.
+MAX_IDS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class IdleFree:
+    """GPU free memory with the engine idle, as the sidecar measured it (``monotonic`` seconds)."""
+
+    free_bytes: int
+    other_process_bytes: int | None
+    measured_at: float
+    # Measured after requests ran on this engine process: a caching allocator's low-water mark.
+    after_traffic: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One GPU reading that showed more memory allocated than the ledger projected."""
+
+    at: float
+    observed_bytes: int
+    projected_bytes: int
+    # observed / projected; None when nothing was projected (memory taken outside any request).
+    ratio: float | None
+    free_bytes: int
+    idle_free_bytes: int
+    request_ids: tuple[str, ...]
+    margin_before: float
+    margin_after: float
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "observed_bytes": self.observed_bytes,
+            "projected_bytes": self.projected_bytes,
+            "ratio": None if self.ratio is None else round(self.ratio, 4),
+            "free_bytes": self.free_bytes,
+            "idle_free_bytes": self.idle_free_bytes,
+            "request_ids": list(self.request_ids),
+            "margin_before": round(self.margin_before, 4),
+            "margin_after": round(self.margin_after, 4),
+        }
+
+
+def excess(observed: int, projected: int, m: Monitor) -> float | None:
+    """``observed / projected`` when the observed allocation exceeds the projection by more than the
+    tolerance and ``min_bytes``, ``inf`` when nothing was projected; None when it does not."""
+    if observed - projected < m.min_bytes or observed <= projected * (1.0 + m.tolerance):
+        return None
+    return observed / projected if projected > 0 else math.inf
+
+
+def raised_margin(
+    margin: float, projected_with: float, policy_margin: float, ratio: float, m: Monitor
+) -> float:
+    """The margin in force after an allocation ``ratio`` times a projection made with the margin
+    ``projected_with``: what covers it plus ``step``, never above ``max_margin`` (nor the policy's own
+    margin), never below ``margin`` (the one in force). A finding with nothing projected says nothing
+    about the coefficients: the margin stays."""
+    if not m.raise_margin or math.isinf(ratio):
+        return margin
+    cap = max(m.max_margin, policy_margin)
+    return max(margin, min(cap, projected_with * ratio + m.step))
+
+
+def projection(totals: LedgerTotals, cost: CostModel) -> int:
+    """What the ledger expects the engine to hold beyond idle now: the prefill transients, or the
+    running batch's join allocation (SGLang never runs the two in one forward pass)."""
+    return max(totals.projected_bytes, cost.join_bytes(totals.running_requests))
+
+
+class LaneWatch:
+    def __init__(self, policy: Policy) -> None:
+        self._policy = policy
+        self.margin = policy.cost.margin
+        # The finding that set the margin in force (None: the policy's own).
+        self.margin_finding: Finding | None = None
+        self.idle: IdleFree | None = None
+        self.engine_restarts = 0
+        self.underestimates = 0
+        self.worst_ratio: float | None = None
+        self.last: Finding | None = None
+        self._traffic = False  # anything admitted on this engine process
+        self._last_activity = -math.inf
+        self._low_water: int | None = None
+        self._prev_free: int | None = None
+        self._last_gpu: GpuSignals | None = None
+        # The largest projection since the idle figure (this engine process), and since the previous
+        # GPU reading, each with the margin it was made with.
+        self._peak: tuple[int, float] = (0, self.margin)
+        self._window: tuple[int, float] = (0, self.margin)
+        # The margin of the latest charge: the ledger's bytes were projected with it or a lower one
+        # (a raised margin applies to requests admitted after it, not to the bytes already booked).
+        self._charged_with = self.margin
+        self._alive: dict[int, str] = {}
+        self._window_ids: dict[str, None] = {}
+
+    # -- what Admission tells it ---------------------------------------------------------------------
+
+    def reload(self, policy: Policy) -> None:
+        """A new policy: its own margin again; what was measured on the engine stays."""
+        self._policy = policy
+        self.margin = policy.cost.margin
+        self.margin_finding = None
+
+    def engine_restarted(self, now: float, why: str = "restarted") -> None:
+        """A new engine process: its idle figure is measured again, its allocator starts empty."""
+        self.engine_restarts += 1
+        had = self.idle
+        self.idle = None
+        self._traffic = False
+        self._low_water = self._prev_free = None
+        self._peak = self._window = (0, self.margin)
+        if had is not None or self._policy.vram.idle_free_auto:
+            log.info(
+                "engine changed (%s): idle free memory will be measured again when it is idle",
+                why,
+                extra={"fields": {"event": "idle_free_reset", "why": why}},
+            )
+
+    def charged(self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel, now: float) -> None:
+        self._alive[key] = request_id
+        self._window_ids[request_id] = None
+        self._traffic = True
+        self._last_activity = now
+        self._charged_with = cost.margin
+        p = (projection(totals, cost), cost.margin)
+        self._window = max(self._window, p)
+        self._peak = max(self._peak, p)
+
+    def ended(self, key: int, now: float) -> None:
+        if self._alive.pop(key, None) is not None:
+            self._last_activity = now
+
+    def observe(self, snap: Snapshot, totals: LedgerTotals, rules: Rules, now: float) -> bool:
+        """A new snapshot; True when the rules it builds (``effective``) change."""
+        changed = self._measure_idle(snap, rules, now)
+        g = snap.gpu
+        if g is not None and g is not self._last_gpu and g.free_bytes is not None:
+            self._last_gpu = g
+            changed = self._check(snap, g, g.free_bytes, totals, rules.cost, now) or changed
+        return changed
+
+    # -- what it gives back ----------------------------------------------------------------------------
+
+    def effective(self, base: Rules) -> Rules:
+        """The policy's rules with what was learnt: the margin in force and, for ``auto``, the idle figure."""
+        v, vram = self._policy.vram, base.vram
+        if v.idle_free_auto and self.idle is not None:
+            other = v.other_processes_bytes
+            vram = replace(
+                vram,
+                headroom=v.headroom,
+                idle_free_bytes=self.idle.free_bytes,
+                other_processes_bytes=self.idle.other_process_bytes if other is None else other,
+            )
+        cost = base.cost if self.margin == base.cost.margin else replace(base.cost, margin=self.margin)
+        return replace(base, vram=vram, cost=cost)
+
+    def state(self, now: float) -> dict[str, Any]:
+        """For /admission/state: ages in seconds (the admin endpoint adds wall-clock times)."""
+        v, m, idle = self._policy.vram, self._policy.monitor, self.idle
+        if idle is not None:
+            note = "measured" + (
+                " after traffic (a low-water mark: conservative)" if idle.after_traffic else ""
+            )
+        elif v.idle_free_auto:
+            note = "not measured yet (waiting for an idle engine): headroom is live GPU free memory"
+        else:
+            note = "not measured yet (the policy's figure is in force)"
+        f = self.margin_finding
+        return {
+            "idle_free": {
+                "policy": v.idle_free_bytes,
+                "measured_bytes": idle.free_bytes if idle else None,
+                "measured_other_process_bytes": idle.other_process_bytes if idle else None,
+                "measured_age_s": None if idle is None else round(now - idle.measured_at, 3),
+                "after_traffic": idle.after_traffic if idle else None,
+                "engine_restarts": self.engine_restarts,
+                "note": note,
+            },
+            "monitor": {
+                "underestimates": self.underestimates,
+                "worst_ratio": None if self.worst_ratio is None else round(self.worst_ratio, 4),
+                "last": None
+                if self.last is None
+                else self.last.fields() | {"age_s": round(now - self.last.at, 3)},
+                "raise_margin": m.raise_margin,
+                "max_margin": max(m.max_margin, self._policy.cost.margin),
+                "margin": {
+                    "policy": self._policy.cost.margin,
+                    "effective": round(self.margin, 4),
+                    "raised": f is not None,
+                    "since_age_s": None if f is None else round(now - f.at, 3),
+                    "why": None if f is None else _why(f),
+                },
+            },
+        }
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _measure_idle(self, snap: Snapshot, rules: Rules, now: float) -> bool:
+        e, g = snap.engine, snap.gpu
+        if e is None or g is None or g.free_bytes is None:
+            return False
+        if self.idle is not None and (self.idle.after_traffic or self._traffic):
+            return False
+        idle = (
+            not self._alive
+            and snap.engine_health.consecutive_failures == 0
+            and e.running_requests == 0
+            and e.queue_requests == 0
+            and min(e.observed_at, g.observed_at) >= self._last_activity
+            and now - e.observed_at <= rules.engine.max_age_s
+            and now - g.observed_at <= rules.gpu.max_age_s
+        )
+        if not idle or (self.idle is not None and g.free_bytes <= self.idle.free_bytes):
+            return False
+        first = self.idle is None
+        self.idle = IdleFree(g.free_bytes, g.other_process_bytes, now, self._traffic)
+        self._low_water = g.free_bytes if self._low_water is None else max(self._low_water, g.free_bytes)
+        if first:
+            log.info(
+                "idle GPU free memory measured: %.0f MiB%s",
+                g.free_bytes / 2**20,
+                " (after traffic: a low-water mark)" if self._traffic else "",
+                extra={"fields": {"event": "idle_free_measured", "free_bytes": g.free_bytes}},
+            )
+        return self._policy.vram.idle_free_auto
+
+    def _baseline(self) -> tuple[int, int | None] | None:
+        """(idle free, other processes then): the sidecar's measurement, else the policy's figure."""
+        if self.idle is not None:
+            return self.idle.free_bytes, self.idle.other_process_bytes
+        figure = self._policy.vram.idle_free_figure
+        return None if figure is None else (figure, self._policy.vram.other_processes_bytes)
+
+    def _check(
+        self, snap: Snapshot, g: GpuSignals, free: int, totals: LedgerTotals, cost: CostModel, now: float
+    ) -> bool:
+        base = self._baseline()
+        prev, self._prev_free = self._prev_free, free
+        current = (projection(totals, cost), self._charged_with)
+        window, ids = max(self._window, current), tuple(self._window_ids)
+        self._window = current
+        self._window_ids = dict.fromkeys(self._alive.values())
+        # An engine that does not answer may be restarting: its new process's boot is no request's.
+        if base is None or snap.engine_health.consecutive_failures:
+            return False
+        idle_free, idle_other = base
+        low = idle_free if self._low_water is None else self._low_water
+        if free < low:
+            self._low_water = free
+            reference = max(self._peak, window)
+        elif prev is not None and free < prev:
+            reference = window
+        else:
+            return False
+        grown = 0
+        if g.other_process_bytes is not None and idle_other is not None:
+            grown = max(0, g.other_process_bytes - idle_other)
+        observed = idle_free - free - grown
+        projected, projected_with = reference
+        ratio = excess(observed, projected, self._policy.monitor)
+        if ratio is None:
+            return False
+        before = self.margin
+        self.margin = raised_margin(
+            before, projected_with, self._policy.cost.margin, ratio, self._policy.monitor
+        )
+        finding = Finding(
+            now,
+            observed,
+            projected,
+            None if math.isinf(ratio) else ratio,
+            free,
+            idle_free,
+            ids[:MAX_IDS],
+            before,
+            self.margin,
+        )
+        # The same requests still running (a long prefill whose chunks grow): the same finding, worse.
+        again = bool(ids) and self.last is not None and self.last.request_ids == finding.request_ids
+        self.underestimates += not again
+        self.last = finding
+        if finding.ratio is not None:
+            self.worst_ratio = max(self.worst_ratio or 0.0, finding.ratio)
+        raised = self.margin != before
+        if raised:
+            self.margin_finding = finding
+        if raised or not again:
+            log.warning(
+                "projection under-estimate: %s; recalibrate this lane (sglang-sidecar calibrate)",
+                _why(finding),
+                extra={"fields": {"event": "projection_underestimate", **finding.fields()}},
+            )
+        return raised
+
+
+def _why(f: Finding) -> str:
+    mib = 2**20
+    seen = (
+        f"GPU memory showed {f.observed_bytes / mib:,.0f} MiB allocated beyond idle, the ledger projected "
+        f"{f.projected_bytes / mib:,.0f} MiB"
+    )
+    ratio = "nothing was projected" if f.ratio is None else f"x{f.ratio:.3f}"
+    who = ", ".join(f.request_ids) or "no request running"
+    margin = (
+        f"margin {f.margin_before:.3f} -> {f.margin_after:.3f}"
+        if f.margin_after != f.margin_before
+        else f"margin stays {f.margin_after:.3f}"
+    )
+    return f"{seen} ({ratio}) for {who}; {margin}"
