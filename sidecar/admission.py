@@ -406,7 +406,7 @@ class Admission:
         if not len(self.ledger):
             self.prefill_rate.busy(self.clock.now())
         h._key = self.ledger.charge(d.charge)
-        self.watch.charged(h._key, h.demand.request_id, self.ledger.totals, self.rules.cost, self.clock.now())
+        self.watch.charged(h._key, h.demand.request_id, self.ledger.totals, self.rules.cost)
         if h.shadow_reject is None:
             self.observer.decision(d, h.demand, h.waited_s, self.ledger.totals)
 

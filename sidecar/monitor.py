@@ -62,8 +62,8 @@ class Finding:
     at: float
     observed_bytes: int
     projected_bytes: int
-    # observed / projected; None when nothing was projected (memory taken outside any request).
-    ratio: float | None
+    # observed / projected
+    ratio: float
     free_bytes: int
     idle_free_bytes: int
     request_ids: tuple[str, ...]
@@ -74,7 +74,7 @@ class Finding:
         return {
             "observed_bytes": self.observed_bytes,
             "projected_bytes": self.projected_bytes,
-            "ratio": None if self.ratio is None else round(self.ratio, 4),
+            "ratio": round(self.ratio, 4),
             "free_bytes": self.free_bytes,
             "idle_free_bytes": self.idle_free_bytes,
             "request_ids": list(self.request_ids),
@@ -119,6 +119,8 @@ class LaneWatch:
         self.idle: IdleFree | None = None
         self.engine_restarts = 0
         self.underestimates = 0
+        # Readings that showed memory taken while nothing was admitted (not counted as findings).
+        self.unprojected = 0
         self.worst_ratio: float | None = None
         self.last: Finding | None = None
         self._traffic = False  # anything admitted on this engine process
@@ -159,11 +161,11 @@ class LaneWatch:
                 extra={"fields": {"event": "idle_free_reset", "why": why}},
             )
 
-    def charged(self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel, now: float) -> None:
+    def charged(self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel) -> None:
+        """A request was admitted (until it ``ended``, no reading is an idle one)."""
         self._alive[key] = request_id
         self._window_ids[request_id] = None
         self._traffic = True
-        self._last_activity = now
         self._charged_with = cost.margin
         p = (projection(totals, cost), cost.margin)
         self._window = max(self._window, p)
@@ -222,6 +224,7 @@ class LaneWatch:
             },
             "monitor": {
                 "underestimates": self.underestimates,
+                "unprojected_allocations": self.unprojected,
                 "worst_ratio": None if self.worst_ratio is None else round(self.worst_ratio, 4),
                 "last": None
                 if self.last is None
@@ -305,6 +308,17 @@ class LaneWatch:
         ratio = excess(observed, projected, self._policy.monitor)
         if ratio is None:
             return False
+        if math.isinf(ratio):
+            # Nothing was projected: no coefficient of the policy is wrong; memory was taken outside
+            # any request (another process, where the GPU source cannot tell; the engine itself).
+            self.unprojected += 1
+            log.info(
+                "GPU memory shows %.0f MiB taken beyond idle while nothing was admitted: another "
+                "process (the GPU source cannot tell) or the engine outside any request",
+                observed / 2**20,
+                extra={"fields": {"event": "unprojected_allocation", "observed_bytes": observed}},
+            )
+            return False
         before = self.margin
         self.margin = raised_margin(
             before, projected_with, self._policy.cost.margin, ratio, self._policy.monitor
@@ -313,7 +327,7 @@ class LaneWatch:
             now,
             observed,
             projected,
-            None if math.isinf(ratio) else ratio,
+            ratio,
             free,
             idle_free,
             ids[:MAX_IDS],
@@ -324,8 +338,7 @@ class LaneWatch:
         again = bool(ids) and self.last is not None and self.last.request_ids == finding.request_ids
         self.underestimates += not again
         self.last = finding
-        if finding.ratio is not None:
-            self.worst_ratio = max(self.worst_ratio or 0.0, finding.ratio)
+        self.worst_ratio = max(self.worst_ratio or 0.0, ratio)
         raised = self.margin != before
         if raised:
             self.margin_finding = finding
@@ -344,7 +357,7 @@ def _why(f: Finding) -> str:
         f"GPU memory showed {f.observed_bytes / mib:,.0f} MiB allocated beyond idle, the ledger projected "
         f"{f.projected_bytes / mib:,.0f} MiB"
     )
-    ratio = "nothing was projected" if f.ratio is None else f"x{f.ratio:.3f}"
+    ratio = f"x{f.ratio:.3f}"
     who = ", ".join(f.request_ids) or "no request running"
     margin = (
         f"margin {f.margin_before:.3f} -> {f.margin_after:.3f}"
