@@ -257,3 +257,6 @@ def test_a_raised_margin_keeps_the_held_token_count_of_those_still_held(clock: M
     a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1400 * MIB))  # r2 over its projection
     assert a.rules.cost.margin > 1.1
     assert a.situation().held_tokens == 900
+    # The admitted one keeps the demand it was charged with; only the held one is priced again.
+    assert second.demand is not None and second.demand.projected_bytes == 1100 * MIB
+    assert third.demand is not None and third.demand.projected_bytes == int(900 * MIB * a.rules.cost.margin)
