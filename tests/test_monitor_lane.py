@@ -106,7 +106,7 @@ async def test_state_and_metrics_show_the_idle_figure_and_the_monitor_live(tmp_p
     ):
 
         async def state() -> dict:  # type: ignore[type-arg]
-            return (await client.get(url + "/admission/state")).json()
+            return (await client.get(url.admin + "/admission/state")).json()
 
         await eventually(lambda: app.admission.watch.idle is not None)
         s = await state()
@@ -115,7 +115,7 @@ async def test_state_and_metrics_show_the_idle_figure_and_the_monitor_live(tmp_p
             s["idle_free"]["headroom_in_force"] == "idle_budget"
             and s["idle_free"]["in_force_bytes"] == 4096 * MIB
         )
-        text = (await client.get(url + "/metrics")).text
+        text = (await client.get(url.admin + "/metrics")).text
         assert _metric(text, "idle_free_bytes") == 4096 * MIB
         assert _metric(text, "projection_underestimates_total") == 0
         assert _metric(text, "cost_margin") == 1.1 and _metric(text, "policy_cost_margin") == 1.1
@@ -130,10 +130,10 @@ async def test_state_and_metrics_show_the_idle_figure_and_the_monitor_live(tmp_p
         assert m["last"]["request_ids"] == ["slow-1"] and m["last"]["at"].endswith("Z")
         assert m["margin"]["effective"] == pytest.approx(1.1 * 1400 / 1100 + 0.05, abs=1e-3)
         assert m["margin"]["raised"] and m["margin"]["since"].endswith("Z")
-        text = (await client.get(url + "/metrics")).text
+        text = (await client.get(url.admin + "/metrics")).text
         assert _metric(text, "projection_underestimates_total") == 1
         assert _metric(text, "projection_underestimate_worst_ratio") == pytest.approx(1400 / 1100, abs=1e-3)
-        explained = (await client.post(url + "/admission/explain", json={"prompt_tokens": 1000})).json()
+        explained = (await client.post(url.admin + "/admission/explain", json={"prompt_tokens": 1000})).json()
         assert explained["margin"] == pytest.approx(m["margin"]["effective"], abs=1e-3)
         engine.gate_headers.set()
         engine.release.set()
