@@ -8,7 +8,7 @@ TOOLS := .tools/bin/.installed
 # pytest-xdist workers for `make test` (the suite is mostly waiting on real servers; 2 fits CI's 2 cores)
 TEST_JOBS ?= 2
 
-.PHONY: demo test lint venv tools clean bench-overhead bench-admission mutation soak
+.PHONY: demo test lint venv tools clean bench-overhead bench-admission mutation soak fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -58,3 +58,7 @@ bench-admission: $(STAMP)
 # 300 clients through the sidecar against the emulator for 10 minutes (tests/test_soak.py runs 60 s).
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak --duration-s $${SOAK_S:-600}
+
+# The fuzz tests (tests/test_fuzz.py) with many more examples than `make test` runs: ~10 minutes here.
+fuzz: $(STAMP)
+	SIDECAR_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-2000} $(BIN)/python -m pytest -q tests/test_fuzz.py

@@ -26,6 +26,9 @@ _CLASSES = np.zeros(256, np.uint8)
 _CLASSES[list(b"0123456789")] = 1
 _CLASSES[ord(",")] = 2
 _CLASSES[list(b" \t\n\r")] = 3
+# An id of 19 digits or more may not fit int64: the full parser decides it (orjson reads it as a float,
+# which the parser refuses as a token id), so both paths answer the same.
+_LONG_ID = re.compile(rb"[0-9]{19}")
 # Bytes classified at a time: bounds the scan's own memory to a few times this, whatever the body.
 WINDOW = 256 * 1024
 
@@ -64,6 +67,8 @@ def find_ids(body: bytes | bytearray) -> tuple[int, int, int] | None:
         after_digit = bool(digit[-1])
     # One more id than commas, each comma between two ids: `[1,,2]`, `[,1]`, `[1 2]`, `[]` all fail.
     if ints == 0 or ints != commas + 1 or _separator_runs(body, start + 1, end):
+        return None
+    if _LONG_ID.search(body, start, end):
         return None
     return start, end + 1, ints
 

@@ -75,8 +75,25 @@ def format_size(n: float | None) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
 
 
+_MAX_FIGURE = 2**63 - 1
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `margin: .inf` validated (ge=1) and then overflowed every projection (a 500
+    # per request); no figure in a policy is infinite.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_astronomical(cls, v: object) -> object:
+        # A YAML integer has no bound: `context_len: 1` followed by 400 zeros validated, then every
+        # projection (float arithmetic) raised OverflowError. No figure of a lane needs more than int64.
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > _MAX_FIGURE:
+            raise ValueError(
+                f"a {len(str(abs(v)))}-digit number is beyond any figure a policy can need "
+                f"(at most {_MAX_FIGURE:,})"
+            )
+        return v
 
 
 class Lane(_Strict):

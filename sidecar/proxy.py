@@ -214,7 +214,7 @@ class Proxy:
             await send_response(send, json_response(e.status, e.error_body(), [_id_header(rid)]))
             return None
         # Kept if the client (or a router) sent one; else SGLang's own `rid`; else a fresh one.
-        rid = sent_id or req.rid or new_request_id()
+        rid = sent_id or _usable_request_id(req.rid) or new_request_id()
         count = await self.counter.count(req, admits=self._admits_now(req))
         demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=rid)
         if not await _acquire(handle, demand):
@@ -525,6 +525,14 @@ def _client_request_id(scope: Scope) -> str | None:
         if k == b"x-request-id":
             return v.decode("latin-1") if _REQUEST_ID.match(v) else None
     return None
+
+
+def _usable_request_id(rid: str | None) -> str | None:
+    """A body's ``rid`` as the answer's ``X-Request-ID`` only when it is a valid header value: any JSON
+    string can be a rid (``"é"``, a newline), and an invalid header value fails the whole answer."""
+    if rid is None or not _REQUEST_ID.match(rid.encode("utf-8", "replace")):
+        return None
+    return rid
 
 
 def _id_header(rid: str) -> tuple[bytes, bytes]:

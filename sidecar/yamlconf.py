@@ -49,14 +49,28 @@ def load_model(text: str, model: type[M], source: str, error: type[ConfigError] 
     Duplicate keys are an error: YAML's loaders keep the last one silently, so a limit written twice
     (the second copy pasted from another lane) would quietly replace the first.
     """
+    loader: yaml.SafeLoader | None = None
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        loader = yaml.SafeLoader(text)
+        # Composed once, checked, then constructed from the same nodes (not parsed a second time).
+        root = loader.get_single_node()
+        _check_graph(root, source, error)
+        data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else f"{source}:1"
         problem = getattr(e, "problem", None) or str(e)
         raise error(source, [f"{where}: YAML syntax: {problem}"]) from None
+    except RecursionError:
+        # PyYAML composes recursively: a few hundred levels of [[[...]]] exhaust Python's stack.
+        assert loader is not None
+        mark = loader.get_mark()
+        raise error(
+            source, [f"{source}:{mark.line + 1}:{mark.column + 1}: YAML nested too deeply to read"]
+        ) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
     problems = [
         f"{source}:{line}: {'.'.join(map(str, loc))}: duplicate key (first on line {first}); "
         "YAML would silently keep the last one: remove one of them"
@@ -74,6 +88,55 @@ def load_model(text: str, model: type[M], source: str, error: type[ConfigError] 
     if problems:
         raise error(source, problems)
     return obj
+
+
+# A policy is a few hundred nodes. Aliases share nodes, so a file of a few lines can stand for billions
+# of them once expanded (nine levels of nine aliases: 387 million); everything that walks the document
+# (the duplicate-key check, pydantic) would walk every one. Refused past this many.
+MAX_NODES = 100_000
+
+
+def _check_graph(root: Any, source: str, error: type[ConfigError]) -> None:
+    """Refuse a document whose aliases expand past ``MAX_NODES`` nodes or contain themselves.
+
+    Iterative (an explicit stack), so neither a deep document nor a cycle can exhaust Python's stack.
+    """
+    if root is None:
+        return
+    visits = 0
+    on_path = {id(root)}
+    stack: list[tuple[Any, Iterator[Any]]] = [(root, _children(root))]
+    while stack:
+        node, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            stack.pop()
+            on_path.discard(id(node))
+            continue
+        visits += 1
+        line = child.start_mark.line + 1
+        if visits > MAX_NODES:
+            raise error(
+                source,
+                [
+                    f"{source}:{line}: the document's aliases expand it to more than {MAX_NODES:,} "
+                    "nodes; a policy is a few hundred: write the values out, or reuse fewer anchors"
+                ],
+            )
+        if id(child) in on_path:
+            raise error(source, [f"{source}:{line}: recursive alias: a node that contains itself"])
+        if isinstance(child, yaml.CollectionNode):
+            on_path.add(id(child))
+            stack.append((child, _children(child)))
+
+
+def _children(node: Any) -> Iterator[Any]:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            yield key
+            yield value
+    elif isinstance(node, yaml.SequenceNode):
+        yield from node.value
 
 
 def _located(source: str, root: Any, loc: tuple[Any, ...], msg: str) -> str:

@@ -14,6 +14,7 @@ coefficient to ``CostModel`` (``core/rules.py``), to the policy's ``cost`` secti
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,5 +68,14 @@ def shape(prompt_tokens: int, uncached_tokens: int, chunk: int, sequences: int =
     return Shape(prompt_tokens, uncached_tokens, min(uncached_tokens, chunk) or 1, sequences)
 
 
+# What a projection past float range stands for: more bytes than any device has, so the request is
+# judged unfit instead of the arithmetic raising (`chunk_context_bytes: 1e300` x chunk x context).
+UNBOUNDED_BYTES = 2**63 - 1
+
+
 def project_bytes(c: CostModel, s: Shape, terms: tuple[Term, ...] = TERMS) -> int:
-    return int(sum(t(c, s) for t in terms) * c.margin)
+    try:
+        total = sum(t(c, s) for t in terms) * c.margin
+    except OverflowError:  # an integer term too large for the float ones it is added to
+        return UNBOUNDED_BYTES
+    return min(int(total), UNBOUNDED_BYTES) if math.isfinite(total) else UNBOUNDED_BYTES
