@@ -624,6 +624,81 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
     return out
 
 
+def largest_admitted_prompt(name: str, max_new: int) -> int:
+    """The longest cold prompt the scenario's policy does not refuse as unfit (``unfit_request``), by
+    bisection on the decision itself, on an idle lane."""
+    from sidecar.core import demand
+    from sidecar.core.decide import Situation, decide
+    from sidecar.core.decision import Reason
+    from sidecar.core.ledger import LedgerTotals
+    from sidecar.core.snapshot import Snapshot
+    from sidecar.intake import rules_of
+
+    rules = rules_of(policy_for(name).policy)
+
+    def fits(n: int) -> bool:
+        d = demand.build(rules, n, arrived_at=0.0, max_new_tokens=max_new)
+        return decide(d, Situation(rules, Snapshot(), LedgerTotals(), 0.0)).reason is not Reason.UNFIT_REQUEST
+
+    lo, hi = 1, rules.lane.context_len - max_new
+    if fits(hi):
+        return hi
+    while hi - lo > 64:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _max_new_tokens(sc: Scenario) -> int:
+    """The largest output any request of the scenario asks for (what an unfit verdict was judged with)."""
+    out = [1]
+    for w in sc.workload:
+        if isinstance(w, Requests):
+            out += [q.max_new_tokens for q in w.requests]
+        for field in ("max_new_tokens", "output_tokens"):
+            value = getattr(w, field, None)
+            if isinstance(value, int):
+                out.append(value)
+    return max(out)
+
+
+def why_short(name: str, gates: dict[str, dict[str, Any]]) -> list[str]:
+    """What the sidecar's own runs say held it back on the default setting: its refusals and holds by
+    reason, its span against the best crash-free baseline's, and where it refused requests as unfit,
+    the longest prompt its policy admits against the lane's true single-request limit."""
+    s = gates["sidecar"]
+    runs = s["by"].get("default/none", [])
+    rejected: dict[str, int] = defaultdict(int)
+    held: dict[str, int] = defaultdict(int)
+    for r in runs:
+        for k, n in r["rejected_by_reason"].items():
+            rejected[k] += n
+        for k, n in r["held_by_reason"].items():
+            held[k] += n
+    out = []
+    if rejected:
+        out.append("rejected " + ", ".join(f"{k} {n}" for k, n in sorted(rejected.items())))
+    if held:
+        out.append("held " + ", ".join(f"{k} {n}" for k, n in sorted(held.items())))
+    rivals = [(g, c) for g, c in gates.items() if g not in ("sidecar", "oracle") and c["crashes"] == 0]
+    if rivals and runs:
+        g, c = max(rivals, key=lambda gc: gc[1]["goodput"] or 0)
+        span = _mean([r["span_s"] for r in runs]) or 0.0
+        rival = _mean([r["span_s"] for r in c["by"]["default/none"]]) or 0.0
+        out.append(f"span {span:,.1f} s against {g}'s {rival:,.1f} s")
+    if rejected.get("unfit_request") and runs:
+        profile = profile_for(scenario(name, 0).profile)
+        max_new = _max_new_tokens(scenario(name, 0))
+        true = single_request_limit(profile, max_new)
+        mine = largest_admitted_prompt(name, max_new)
+        out.append(
+            f"the policy admits prompts up to {mine:,} tokens, {mine / true:.1%} of the lane's true "
+            f"single-request limit ({true:,}; margin {policy_for(name).policy.cost.margin:g}, reserve, a "
+            "full chunk of activations projected for the last chunk)"
+        )
+    return out
+
+
 def acceptance(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     lines = []
     for name, gates in summary.items():
@@ -649,6 +724,8 @@ def acceptance(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         lines.append(
             f"  {name:24s} " + ("; ".join(notes) if notes else f"meets the targets ({vs} of oracle)")
         )
+        if notes:
+            lines += [f"  {'':24s}   why: {w}" for w in why_short(name, gates)]
     return lines
 
 

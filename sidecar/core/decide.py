@@ -13,6 +13,10 @@ order it is applied:
 4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, the batch join, KV pool, Mamba
    slots, engine queue, pending prefill tokens) - all evaluated, the first failure names the reason,
    its policy section's ``on_exceed`` says hold or reject.
+   A request that waited is admitted only on a GPU reading taken since it began waiting (where the
+   headroom reads the GPU at all): it was held because the lane was short, and a reading from before
+   then cannot show what changed on the card meanwhile (a neighbour that grew while an engine report
+   released it). It waits for the next GPU poll, as ``signals_stale``.
 5. **strict order** - without ``hold.backfill``, a request that would be admitted while an earlier
    one of equal or higher priority waits, waits behind it (with that one's reason).
 6. **the hold queue's bounds** - a hold becomes ``hold_timeout`` at the request's deadline
@@ -64,6 +68,10 @@ def decide(demand: Demand, s: Situation) -> Decision:
     charge = charge_of(demand, rules, s.snapshot)
     headroom = headroom_bytes(rules, s.snapshot, s.ledger)
     action, reason, checks = _judge(demand, s, charge, headroom)
+    if action is Action.ADMIT and s.queued:
+        old = _gpu_predates_wait(demand, s)
+        if old is not None:
+            action, reason, checks = Action.HOLD, Reason.SIGNALS_STALE, (*checks, old)
     if action is Action.ADMIT and s.ahead is not None and not rules.hold.backfill:
         action, reason = Action.HOLD, s.ahead
     if action is Action.HOLD and s.now >= demand.deadline:
@@ -167,6 +175,20 @@ def _unfit(demand: Demand, rules: Rules, snap: Snapshot, charge: Charge) -> Chec
         note = "transient larger than the lane frees"
         return Check(name, False, charge.projected_bytes, cap, note, "transient")
     return None
+
+
+def _gpu_predates_wait(demand: Demand, s: Situation) -> Check | None:
+    """The check that holds a waiting request whose GPU reading is older than its wait (step 4)."""
+    v, gpu = s.rules.vram, s.snapshot.gpu
+    reads_gpu = v.uses_gpu_signal or v.other_processes_bytes is not None
+    if not reads_gpu or gpu is None:
+        return None
+    # A source that reports when its figure last changed (a file) is confirmed by every good poll.
+    read_at = max(gpu.observed_at, s.snapshot.gpu_health.last_ok_at or gpu.observed_at)
+    if read_at >= demand.arrived_at:
+        return None
+    note = "gpu reading predates the wait: admitted on the next one"
+    return Check(Reason.SIGNALS_STALE.value, False, demand.arrived_at, read_at, note)
 
 
 def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:

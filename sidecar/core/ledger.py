@@ -7,6 +7,15 @@ transient, Mamba slots) is released at its first streamed byte (prefill done), a
 response, or on any failure: each term is charged for as long as it is really held. Totals are kept
 incrementally so the decision reads them in O(1); every release is idempotent so no path can release
 twice or leak.
+
+Why the transients are summed, although the engine holds one prefill batch's at a time (SGLang's
+``PrefillAdder``: the request in chunked prefill, whole waiting requests, at most one more cut into its
+first chunk; evidence S22): which requests can share a batch depends on how much of each prompt the
+engine has cached, and the gate's cached count is a lower bound (0 when it cannot tell). A prompt the
+gate sees as cold and long may be all but its last turn cached: it then runs whole in one batch beside
+any other, and its first chunk already attends over the whole cached prefix. So no charge short of the
+sum is safe (charging the largest batch instead let two 442K agent turns with ~412K cached each through
+together on the H200 lane of ``bench/admission.py``, which then crashed; ``tests/test_core_prefill_sum.py``).
 """
 
 from __future__ import annotations

@@ -273,6 +273,23 @@ class EngineModel:
             return self._step.end
         return self._next_idle_publish()
 
+    def run_quiet(self, bound: float) -> float | None:
+        """Run the engine through the steps that end by ``bound`` for as long as they produce nothing
+        for the caller (no event; token counts wait for the next ``advance``), and return when the
+        caller must look next: the instant an event was produced, else ``next_event_time()``.
+
+        For a virtual-time driver that would otherwise wake at every decode step only to find nothing
+        to do: the engine goes through exactly the same states; only ``Tokens`` come coalesced.
+        """
+        produced = len(self._events)
+        while True:
+            t = self.next_event_time()
+            if t is None or t > bound:
+                return t
+            self._advance_to(t)
+            if len(self._events) > produced:
+                return self._clock
+
     def published_gauges(self) -> Gauges | None:
         """What ``/metrics`` shows: the last report, or ``None`` before the first one (fresh engine)."""
         return self._published
@@ -323,6 +340,10 @@ class EngineModel:
         self._own_total = 0
         self._cache_total = 0
         self._mamba_free = p.mamba_slots
+        # Changes to the queue, the running batch, the KV pool or the Mamba pool other than a decode
+        # step's (``_start_step``): when the queue's head was last found blocked, at which count.
+        self._mutations = 0
+        self._blocked_at = -1
         self._mamba_evictable = 0
         # Checkpoints of requests still in flight: held (never allocatable), maybe reported evictable.
         self._mamba_pinned = 0
@@ -415,11 +436,16 @@ class EngineModel:
     # ------------------------------------------------------------------ steps
     def _start_step(self, t: float) -> None:
         """Pick and start the next step at ``t`` (prefill first), or go idle."""
-        if self._chunked is not None or self._waiting:
+        if self._chunked is not None or (self._waiting and self._blocked_at != self._mutations):
             items, new_input, hits = self._form_prefill_batch(t)
             if items:
                 self._start_prefill(t, items, new_input, hits)
                 return
+            if self._chunked is None and self.profile.new_token_ratio <= 1.0:
+                # The head of the queue does not fit. Until something else changes (``_mutations``),
+                # decode steps only take room (one token per running request, reserves shrinking by at
+                # most one each at a ratio <= 1): it still does not, so do not ask again every step.
+                self._blocked_at = self._mutations
         if self._running:
             self._start_decode(t)
             return
@@ -427,6 +453,7 @@ class EngineModel:
             # Nothing runs, nothing will free memory: the head of the queue can never be admitted
             # (a retracted request that outgrew the pool). Fail it rather than hang the queue.
             req = self._waiting.pop(0)
+            self._mutations += 1
             del self._requests[req.rid]
             reason = "The request does not fit in the KV cache pool (retracted and grown past it)."
             self._events.append(Failed(req.rid, t, reason, 503))
@@ -495,6 +522,7 @@ class EngineModel:
             req.mamba_working = p.mamba_slots_per_request
 
     def _start_prefill(self, t: float, items: list[tuple[_Request, int]], new_input: int, hits: int) -> None:
+        self._mutations += 1
         p = self.profile
         total_tokens = sum(n for _, n in items)
         for req, n in items:
@@ -555,6 +583,7 @@ class EngineModel:
             self._finish_decode(t)
 
     def _finish_prefill(self, step: _Step, t: float) -> None:
+        self._mutations += 1
         c = self._counters
         c.prefill_busy_s += step.end - step.start
         for req, n in step.items:
@@ -696,6 +725,7 @@ class EngineModel:
             if entry.locks:
                 continue
             take = min(need, entry.tokens)
+            self._mutations += take > 0
             entry.tokens -= take
             self._cache_total -= take
             need -= take
@@ -725,6 +755,7 @@ class EngineModel:
     def _release(self, req: _Request, t: float, *, finished: bool) -> None:
         """Give back what a request holds. A finished sequence extends its cache entry (SGLang
         cache_finished_req) and leaves its Mamba checkpoints evictable; otherwise all is freed."""
+        self._mutations += 1
         entry = self._cache.get(req.locked_key) if req.locked_key is not None else None
         own = req.own_kv
         self._own_total -= own
@@ -778,6 +809,7 @@ class EngineModel:
 
     # ------------------------------------------------------------------ queue
     def _enqueue(self, req: _Request) -> None:
+        self._mutations += 1
         keys = [r.sort_key() for r in self._waiting]
         self._waiting.insert(bisect.bisect(keys, req.sort_key()), req)
 

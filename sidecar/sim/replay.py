@@ -556,7 +556,8 @@ class Driver(VirtualLoop):
         end = self.scenario.duration_s
         while True:
             t_driver = self.next_time()
-            t_engine = self.engine.next_event_time()
+            # The engine runs on by itself through steps that give the driver nothing to handle.
+            t_engine = self.engine.run_quiet(min(t_driver, end))
             t = min(t_driver, t_engine if t_engine is not None else math.inf)
             if t > end or t == math.inf:
                 break
@@ -565,7 +566,7 @@ class Driver(VirtualLoop):
             self.run_due()
             if not self._work_left():
                 break
-        self.t = min(self.t, end)
+        self.t = min(max(self.t, self.engine.now), end)
         self._engine_events()  # requests sent to a dead engine fail at once: collect those answers
         return self.summary()
 
