@@ -45,7 +45,7 @@ from typing import Any
 
 import orjson
 
-from sidecar.idscan import CountedIds, find_ids
+from sidecar.idscan import CountedIds, JsonText, find_ids, find_text
 from sidecar.priority import OPEN, PriorityBounds
 from sidecar.responses import error_object
 
@@ -84,10 +84,11 @@ MAX_INT = 2**63 - 1
 # Nesting the generic prompt walk follows before it calls a body malformed.
 _MAX_WALK_DEPTH = 32
 # From this size on, a flat `input_ids` array is counted in the raw bytes (sidecar.idscan) instead of
-# decoded into Python ints; below it, decoding is cheaper than a second pass.
+# decoded into Python ints, and a `text` string measured there instead of decoded whole; below it,
+# decoding is cheaper than a second pass.
 LIFT_IDS_BYTES = 256 * 1024
 # What stands in for the lifted array while the rest of the body is decoded: a string no client sends.
-_LIFTED = "\u0000sidecar: input_ids counted in the raw body " + secrets.token_hex(8)
+_LIFTED = "\u0000sidecar: prompt sized in the raw body " + secrets.token_hex(8)
 _LIFTED_JSON = orjson.dumps(_LIFTED)
 _EXPLAIN_KEYS = frozenset({"prompt_tokens", "max_new_tokens", "cached_tokens", "prefix_key", "priority"})
 
@@ -159,7 +160,8 @@ class GenerationRequest:
     # Every rid the body names: one for a single request, one per prompt for a /generate batch.
     rids: tuple[str, ...] = ()
     model: str | None = None
-    prompt_text: str | None = None
+    # A str, or for a large body a JsonText (its UTF-8 size; the str only on demand).
+    prompt_text: str | JsonText | None = None
     # A list, or for a large body a CountedIds (its length only: the ids were never decoded).
     prompt_token_ids: list[int] | CountedIds | None = None
     messages: list[Any] | None = None
@@ -231,7 +233,8 @@ def parse_generation(
     obj = _lifted(body) if len(body) >= LIFT_IDS_BYTES and len(body) <= max_body_bytes else None
     obj = obj or _load_object(body, max_body_bytes)
     kind = shape or endpoint_kind(path) or _kind_from_keys(obj)
-    if isinstance(obj.get("input_ids"), CountedIds) and kind not in ("generate", "embedding"):
+    lifted = isinstance(obj.get("input_ids"), CountedIds) or isinstance(obj.get("text"), JsonText)
+    if lifted and kind not in ("generate", "embedding"):
         obj = _load_object(body, max_body_bytes)  # a shape that reads input_ids otherwise, if at all
     if kind is None:
         raise BadRequest(
@@ -294,20 +297,28 @@ def _fast_loads(body: bytes) -> Any:
 
 
 def _lifted(body: bytes) -> dict[str, Any] | None:
-    """The body decoded with its top-level flat ``input_ids`` counted, not decoded (sidecar.idscan);
-    None when it has no such array (or anything is unusual: the full parser then decides)."""
-    found = find_ids(body)
-    if found is None:
+    """The body decoded with its top-level flat ``input_ids`` counted, or else its top-level ``text``
+    measured, in the raw bytes (sidecar.idscan); None when it has neither (or anything is unusual:
+    the full parser then decides)."""
+    key = "input_ids"
+    value: CountedIds | JsonText
+    if (ids := find_ids(body)) is not None:
+        start, end, n = ids
+        value = CountedIds(n)
+    elif (text := find_text(body)) is not None and text[2] > 0:
+        key = "text"
+        start, end, size = text
+        value = JsonText(body, start, end, size)
+    else:
         return None
-    start, end, n = found
     try:
         obj = orjson.loads(body[:start] + _LIFTED_JSON + body[end:])
     except orjson.JSONDecodeError:
         return None
-    # The array found must be the top-level key's (not a nested one's, not a duplicate's).
-    if not isinstance(obj, dict) or obj.get("input_ids") != _LIFTED:
+    # The value found must be the top-level key's (not a nested one's, not a duplicate's).
+    if not isinstance(obj, dict) or obj.get(key) != _LIFTED:
         return None
-    obj["input_ids"] = CountedIds(n)
+    obj[key] = value
     return obj
 
 
@@ -473,7 +484,7 @@ def _text(value: str, where: str) -> str:
 
 @dataclass(slots=True)
 class _Prompt:
-    text: str | None = None
+    text: str | JsonText | None = None
     token_ids: list[int] | CountedIds | None = None
     batch_texts: tuple[str, ...] = ()
     batch_token_ids: tuple[list[int], ...] = ()
@@ -689,6 +700,8 @@ def _generate(obj: dict[str, Any], common: dict[str, Any], declared: bool) -> Ge
             raise _wrong("input_ids", "a list of token ids or a list of token-id lists", value)
         else:
             prompt = _text_or_ids(value, "input_ids", allow_ids=True)
+    elif isinstance(obj.get("text"), JsonText):
+        prompt = _Prompt(text=obj["text"])
     elif obj.get("text") is not None:
         prompt = _text_or_ids(obj["text"], "text", allow_ids=False)
     elif not declared:

@@ -60,6 +60,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from sidecar.idscan import JsonText
 from sidecar.requests import GenerationRequest
 
 __all__ = [
@@ -199,9 +200,17 @@ def find_tokenizer_file(path: str) -> Path | None:
     return None
 
 
-def _utf8_len(text: str) -> int:
+def _utf8_len(text: str | JsonText) -> int:
+    if isinstance(text, JsonText):
+        return text.utf8_len  # measured in the raw body, the same way
     # JSON allows lone surrogates ("\ud800"); count them as the 3 bytes they would take.
     return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _decoded(texts: list[str | JsonText]) -> list[str]:
+    """The texts as ``str``: a prompt left encoded in its body is decoded only here, when a tokenizer
+    (ours or the engine's) must read it."""
+    return [t.text() if isinstance(t, JsonText) else t for t in texts]
 
 
 @dataclass(slots=True)
@@ -373,12 +382,12 @@ class PromptCounter:
         exact = req.media_items == 0
 
         if self._tokenizer is not None:
-            counted = await self._tokenize(texts, add_special_tokens=True)
+            counted = await self._tokenize(_decoded(texts), add_special_tokens=True)
             if counted is not None:
                 return TokenCount(counted + media, exact, "tokenizer")
         if self.engine_tokenize_available:
             total = 0
-            for text in texts:
+            for text in _decoded(texts):
                 payload: dict[str, Any] = {"prompt": text, "add_special_tokens": True}
                 if req.model is not None:
                     payload["model"] = req.model
@@ -449,7 +458,7 @@ class PromptCounter:
 
     # --- methods -----------------------------------------------------------------------------
 
-    def _bytes_bound(self, texts: Iterable[str]) -> int:
+    def _bytes_bound(self, texts: Iterable[str | JsonText]) -> int:
         return sum(math.ceil(_utf8_len(text) / self.config.bytes_per_token) for text in texts)
 
     async def _tokenize(self, texts: list[str], *, add_special_tokens: bool) -> int | None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sidecar import idscan
-from sidecar.idscan import CountedIds, find_ids
+from sidecar.idscan import CountedIds, JsonText, find_ids, find_text
 from sidecar.requests import (
     DEFAULT_MAX_BODY_BYTES,
     LIFT_IDS_BYTES,
@@ -863,7 +863,9 @@ def test_default_limit_fits_a_524k_token_prompt() -> None:
     prompt = "\u4e2d" * (524_288 * 3 // 2)
     raw = json.dumps({"text": prompt}).encode()
     assert len(raw) > 4_000_000
-    assert parse_generation("/generate", raw, max_body_bytes=DEFAULT_MAX_BODY_BYTES).prompt_text == prompt
+    text = parse_generation("/generate", raw, max_body_bytes=DEFAULT_MAX_BODY_BYTES).prompt_text
+    # Left encoded in the body (sidecar.idscan), measured exactly, decoded whole only on demand.
+    assert isinstance(text, JsonText) and text.utf8_len == len(prompt.encode()) and text.text() == prompt
 
 
 def test_body_too_large_at_least_form() -> None:
@@ -1067,3 +1069,52 @@ def test_the_id_scan_counts_an_id_split_by_its_window_edge_once() -> None:
         if body[edge - 1 : edge + 1].isdigit():
             return
     raise AssertionError("no window edge fell inside an id")
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "plain words " * 30_000,
+        'lines\n\tand "quotes" and \\ backslashes ' * 10_000,
+        "caf\u00e9 \u4e2d\u6587 emoji \U0001f600 " * 20_000,
+        '{"json": ["quoted", "inside"]} ' * 12_000,
+    ],
+)
+@pytest.mark.parametrize("ensure_ascii", [True, False])
+def test_a_large_text_is_measured_in_the_raw_body_exactly(prompt: str, ensure_ascii: bool) -> None:
+    raw = json.dumps({"text": prompt, "stream": True, "rid": "t"}, ensure_ascii=ensure_ascii).encode()
+    assert len(raw) >= LIFT_IDS_BYTES
+    req = parse_generation("/generate", raw, max_body_bytes=LIMIT * 8)
+    text = req.prompt_text
+    assert isinstance(text, JsonText) and (req.stream, req.rid) == (True, "t")
+    assert text.utf8_len == len(prompt.encode("utf-8")) and text.text() == prompt
+
+
+@pytest.mark.parametrize(
+    "inside",
+    [b"bad \\q escape", b"ctrl \x01 char", b"lone \\ud800 surrogate", b"bad utf-8 \xff"],
+)
+def test_a_large_text_that_is_not_valid_json_gets_the_full_parsers_answer(inside: bytes) -> None:
+    raw = b'{"text": "' + b"w " * 200_000 + inside + b'"}'
+    assert find_text(raw) is None
+    try:
+        req = parse_generation("/generate", raw, max_body_bytes=LIMIT * 8)
+    except BadRequest as e:
+        assert e.code == "invalid_json"
+    else:  # what only the standard parser takes (a lone surrogate): decoded whole, as before
+        assert isinstance(req.prompt_text, str)
+
+
+def test_the_text_scan_never_cuts_an_escape_a_utf8_sequence_or_a_surrogate_pair() -> None:
+    # Escaped (\\u4e2d, a surrogate pair for the emoji, \\\\ and \\") and raw UTF-8, every alignment.
+    for unit in ("\u4e2d", "\U0001f600", '\\"', "\u00e9\n"):
+        for pad in range(7):
+            prompt = "x" * pad + unit * (idscan.WINDOW // 3)
+            for ensure_ascii in (True, False):
+                body = json.dumps({"text": prompt}, ensure_ascii=ensure_ascii).encode()
+                found = find_text(body)
+                assert found is not None and found[2] == len(prompt.encode("utf-8")), (
+                    unit,
+                    pad,
+                    ensure_ascii,
+                )

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from sidecar.idscan import JsonText
 from sidecar.requests import GenerationRequest, parse_generation
 from sidecar.tokens import CounterConfig, PromptCounter, TokenCount, TokenizerLoadError
 
@@ -509,3 +511,34 @@ async def test_reconfigure_loads_the_tokenizer_off_the_event_loop(
     with pytest.raises(TokenizerLoadError):
         await counter.reconfigure(CounterConfig(tokenizer_path=tokenizer_path.parent / "missing.json"))
     assert counter.config.tokenizer_path == tokenizer_path
+
+
+# --- a large text left encoded in its body (sidecar.idscan.JsonText) ---------------------------
+
+BIG_TEXT = "the cat sat on the mat\n" * 20_000  # 120,000 words, 460 KB: measured in the raw body
+
+
+async def test_a_large_text_left_in_its_body_is_decoded_for_the_tokenizer_and_the_engine(
+    tokenizer_path: Path,
+) -> None:
+    big = req("/generate", {"text": BIG_TEXT})
+    assert isinstance(big.prompt_text, JsonText)
+    counter = PromptCounter(CounterConfig(tokenizer_path=tokenizer_path))
+    assert await counter.count(big) == TokenCount(120_000, True, "tokenizer")
+    engine = FakeEngine()
+    assert await PromptCounter(ENGINE_ON, engine_tokenize=engine).count(big) == TokenCount(
+        120_000, True, "engine"
+    )
+    assert engine.calls == [{"prompt": BIG_TEXT, "add_special_tokens": True}]
+
+
+async def test_a_large_text_left_in_its_body_has_the_same_bounds_as_its_str() -> None:
+    big, small = (
+        req("/generate", {"text": BIG_TEXT}),
+        replace(req("/generate", {"text": "x"}), prompt_text=BIG_TEXT),
+    )
+    assert isinstance(big.prompt_text, JsonText)
+    counter = PromptCounter()
+    assert await counter.count(big) == await counter.count(small)  # the bytes bound, exact UTF-8 size
+    engine_counter = PromptCounter(ENGINE_ON, engine_tokenize=FakeEngine())
+    assert engine_counter.bound(big) == engine_counter.bound(small) is not None
