@@ -14,7 +14,9 @@ Shapes (``load`` / ``kind`` in the rows):
   through the gate on the sidecar), ``small-passthrough`` (``GET /v1/models``), ``sse`` (a gated
   ``POST /generate`` streaming 100 events of ~200 bytes). Latency figures are wrk's, whole responses.
 - paced: a Python client holds 64 streams that each receive 20 events/s, like decoding models; added
-  time to first byte and added inter-event gap, p50/p99, over direct.
+  time to first byte and added inter-event gap, p50/p99, over direct. ``sse``: the 64 one-second
+  streams start together, so each second 64 gated requests arrive in one burst; ``sse-staggered``:
+  stream i starts i/64 s in, so they arrive spread out, as independent clients' would.
 - large: gated requests carrying 64K, 128K and 500K-token prompts as text (~4 bytes a token) and as
   ``input_ids``, one at a time; added time to first byte over direct, and the proxy's peak RSS (VmHWM,
   reset before each kind) against its RSS before.
@@ -334,7 +336,9 @@ def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], t
     return rows
 
 
-async def _paced(url: str, seconds: float) -> dict[str, Any]:
+async def _paced(url: str, seconds: float, staggered: bool = False) -> dict[str, Any]:
+    """64 one-second streams back to back. ``staggered``: stream i starts i/64 s in, so requests
+    arrive spread over each second like independent clients', instead of all 64 in one burst."""
     interval_ms = 1000 / PACED_EVENTS_PER_S
     events = PACED_EVENTS_PER_S  # one-second streams, back to back
     target = f"{url}/generate?events={events}&interval_ms={interval_ms:g}"
@@ -345,8 +349,10 @@ async def _paced(url: str, seconds: float) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=PACED_STREAMS, force_close=False)
     async with aiohttp.ClientSession(connector=conn) as s:
 
-        async def stream() -> None:
+        async def stream(i: int) -> None:
             nonlocal errors
+            if staggered:
+                await asyncio.sleep(i / PACED_STREAMS)
             while time.perf_counter() < deadline:
                 t0 = time.perf_counter()
                 try:
@@ -366,32 +372,39 @@ async def _paced(url: str, seconds: float) -> dict[str, Any]:
                 except aiohttp.ClientError:
                     errors += 1
 
-        await asyncio.gather(*(stream() for _ in range(PACED_STREAMS)))
+        await asyncio.gather(*(stream(i) for i in range(PACED_STREAMS)))
     return {"ttfb": ttfb, "gaps": gaps, "errors": errors}
 
 
 def paced(args: argparse.Namespace, cores: Cores, srv: dict[str, Server]) -> list[dict]:
     if cores.client is not None:
         os.sched_setaffinity(0, cores.client)
-    results = {}
-    for name, s in srv.items():
-        cpu0 = cpu_seconds(s.pid)
-        results[name] = asyncio.run(_paced(s.url, args.seconds))
-        results[name]["cpu"] = cpu_seconds(s.pid) - cpu0
+    rows = []
+    for kind, staggered in (("sse", False), ("sse-staggered", True)):
+        results = {}
+        for name, s in srv.items():
+            cpu0 = cpu_seconds(s.pid)
+            results[name] = asyncio.run(_paced(s.url, args.seconds, staggered))
+            results[name]["cpu"] = cpu_seconds(s.pid) - cpu0
+        rows += _paced_rows(kind, results, args.seconds)
+    return rows
+
+
+def _paced_rows(kind: str, results: dict[str, dict[str, Any]], seconds: float) -> list[dict]:
     base = results["direct"]
     rows = []
     for name, r in results.items():
         n_events = len(r["gaps"]) + len(r["ttfb"])
         rows.append(
             row(
-                name, "paced", "sse", PACED_STREAMS,
+                name, "paced", kind, PACED_STREAMS,
                 ttfb_p50_ms=1000 * pct(r["ttfb"], 0.5), ttfb_p99_ms=1000 * pct(r["ttfb"], 0.99),
                 added_ttfb_p50_ms=1000 * (pct(r["ttfb"], 0.5) - pct(base["ttfb"], 0.5)),
                 added_ttfb_p99_ms=1000 * (pct(r["ttfb"], 0.99) - pct(base["ttfb"], 0.99)),
                 inter_event_p99_ms=1000 * pct(r["gaps"], 0.99),
                 added_inter_event_p99_ms=1000 * (pct(r["gaps"], 0.99) - pct(base["gaps"], 0.99)),
-                requests_per_s=len(r["ttfb"]) / args.seconds,
-                sse_events_per_s=n_events / args.seconds,
+                requests_per_s=len(r["ttfb"]) / seconds,
+                sse_events_per_s=n_events / seconds,
                 cpu_s_per_1000_events=1000 * r["cpu"] / max(1, n_events),
                 cpu_s_per_1000_requests=1000 * r["cpu"] / max(1, len(r["ttfb"])),
                 errors=r["errors"],
@@ -533,6 +546,9 @@ def targets(rows: list[dict], lags: dict[str, dict]) -> list[dict[str, Any]]:
     target("paced: added TTFB p50", p.get("added_ttfb_p50_ms"), 1, "ms")
     target("paced: added TTFB p99", p.get("added_ttfb_p99_ms"), 5, "ms")
     target("paced: added inter-event p99", p.get("added_inter_event_p99_ms"), 2, "ms")
+    q = find(rows, "sidecar", "paced", "sse-staggered") or {}
+    target("paced, staggered starts: added TTFB p50", q.get("added_ttfb_p50_ms"), 1, "ms")
+    target("paced, staggered starts: added TTFB p99", q.get("added_ttfb_p99_ms"), 5, "ms")
     for kind in ("text-500k", "ids-500k"):
         big = find(rows, "sidecar", "large", kind) or {}
         target(f"large {kind}: added TTFB p50", big.get("added_ttfb_p50_ms"), 50, "ms")
