@@ -1,8 +1,9 @@
 """What the sidecar costs on the data path, against nginx and against no proxy at all, in one run.
 
 Everything runs on 127.0.0.1 as separate processes: the constant-cost upstream (``bench/upstream.py``),
-Debian's nginx 1.22 in front of it (one worker, buffering off, upstream keep-alive) and the sidecar
-(``sglang-sidecar serve`` with a loop-lag probe, ``bench/probed_sidecar.py``), which polls the
+Debian's nginx 1.22 in front of it (one worker, buffering off, upstream keep-alive), the stack's
+floor (``bench/floor_proxy.py``: uvicorn + aiohttp relaying and nothing else; saturation only) and
+the sidecar (``sglang-sidecar serve`` with a loop-lag probe, ``bench/probed_sidecar.py``), which polls the
 upstream's real-sized /metrics and a GPU source in the background the whole time. With 12 or more
 cores each server is pinned to its own cores (the upstream 4, nginx 2, the sidecar 2, wrk 4, the
 Python client 2); with fewer they share, and only the per-request CPU figures and the ratios mean
@@ -213,6 +214,7 @@ def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[
     up = Server("direct", f"http://127.0.0.1:{free_port()}")
     ng = Server("nginx", f"http://127.0.0.1:{free_port()}")
     sc = Server("sidecar", f"http://127.0.0.1:{free_port()}")
+    fl = Server("floor", f"http://127.0.0.1:{free_port()}")
     procs: list[subprocess.Popen[bytes]] = []
     log = (tmp / "servers.log").open("wb")
     try:
@@ -255,10 +257,17 @@ def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[
             cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.sidecar),
         )  # fmt: skip
         procs.append(sc.proc)
-        for url in (up.url + "/health", ng.url + "/health", sc.url + "/healthz"):
+        # The stack's own floor, on the sidecar's cores (they are loaded one at a time).
+        fl.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--upstream", up.url,
+             "--port", fl.url.rsplit(":", 1)[1]],
+            cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.sidecar),
+        )  # fmt: skip
+        procs.append(fl.proc)
+        for url in (up.url + "/health", ng.url + "/health", sc.url + "/healthz", fl.url + "/health"):
             asyncio.run(wait_up(url))
         time.sleep(1.0)  # a few polls, so the gate has signals
-        yield {"direct": up, "nginx": ng, "sidecar": sc}
+        yield {"direct": up, "nginx": ng, "sidecar": sc, "floor": fl}
     except BaseException:
         log.flush()
         sys.stderr.write((tmp / "servers.log").read_text()[-4000:])
@@ -560,6 +569,24 @@ def targets(rows: list[dict], lags: dict[str, dict]) -> list[dict[str, Any]]:
     return out
 
 
+def floor_ratios(rows: list[dict]) -> list[dict[str, Any]]:
+    """Where the sidecar's cost goes: the pure ASGI + aiohttp relay (``bench/floor_proxy.py``) against
+    nginx is the stack's floor; the sidecar against that relay is the sidecar's own work."""
+    out = []
+    for kind, metric in (
+        ("small", "cpu_s_per_1000_requests"),
+        ("small-passthrough", "cpu_s_per_1000_requests"),
+        ("sse", "cpu_s_per_1000_events"),
+    ):
+        ng, fl, sc = (find(rows, p, "saturation", kind) for p in ("nginx", "floor", "sidecar"))
+        if ng and fl and sc and ng[metric] and fl[metric]:
+            out.append({
+                "kind": kind, "metric": metric, "floor_vs_nginx": fl[metric] / ng[metric],
+                "sidecar_vs_floor": sc[metric] / fl[metric], "sidecar_vs_nginx": sc[metric] / ng[metric],
+            })  # fmt: skip
+    return out
+
+
 def decision_microbench(n: int = 20_000) -> dict[str, float]:
     """The pure core in-process: p50/p99 of one ``decide`` (a 4K-token request, open gate), in µs."""
     from sidecar.core import demand as demands
@@ -657,10 +684,11 @@ def main(argv: list[str] | None = None) -> int:
         lags["idle"] = lag(srv)
         # What each process burns with no traffic: the sidecar's pollers (and the 1 ms lag probe).
         idle = {name: 1000 * (cpu_seconds(s.pid) - idle0[name]) / args.seconds for name, s in srv.items()}
+        proxies = {k: v for k, v in srv.items() if k != "floor"}  # the floor: saturation only
         for phase in phases:
             rows += {"saturation": lambda: saturation(args, cores, srv, Path(t)),
-                     "paced": lambda: paced(args, cores, srv),
-                     "large": lambda: large(args, cores, srv)}[phase]()  # fmt: skip
+                     "paced": lambda: paced(args, cores, proxies),
+                     "large": lambda: large(args, cores, proxies)}[phase]()  # fmt: skip
             lags[phase] = lag(srv)
         versions = {"nginx": srv["nginx"].extra["version"], "gpu_source": srv["sidecar"].extra["gpu_source"]}
     for r in rows:
@@ -670,6 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     tg = targets(rows, lags)
     print_table(rows, tg, lags, micro)
     print("idle CPU, ms per s (pollers, lag probe): " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()))
+    floor = floor_ratios(rows)
+    print("\nthe stack's floor (bench/floor_proxy.py: uvicorn + aiohttp relaying, nothing else), CPU ratios")
+    for f in floor:
+        print(
+            f"  {f['kind']:18} floor/nginx {f['floor_vs_nginx']:6.2f} x   sidecar/floor {f['sidecar_vs_floor']:5.2f} x"
+            f"   sidecar/nginx {f['sidecar_vs_nginx']:6.2f} x"
+        )
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": MACHINE,
@@ -683,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         "idle_cpu_ms_per_s": idle,
         "decision_in_process": micro,
         "targets": tg,
+        "floor": floor,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
