@@ -61,4 +61,4 @@ soak: $(STAMP)
 
 # The fuzz tests (tests/test_fuzz.py) with many more examples than `make test` runs: ~10 minutes here.
 fuzz: $(STAMP)
-	SIDECAR_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-2000} $(BIN)/python -m pytest -q tests/test_fuzz.py
+	SIDECAR_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-2000} $(BIN)/python -m pytest -q tests/test_fuzz.py tests/test_admin_schema.py

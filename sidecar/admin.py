@@ -191,6 +191,45 @@ def _wall(age_s: float | None) -> str | None:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - age_s))
 
 
+# The error answers of the admin endpoints, declared so the published schema says every status a
+# client can get (the OpenAI-style body of responses.error_object; schemathesis checks it).
+_ERROR_BODY = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "code": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_WHY = {
+    400: "The body or a parameter is wrong (the error names it).",
+    401: "Missing or wrong bearer token.",
+    403: "Policy uploads are disabled (no --admin-token-file).",
+    409: "The policy file cannot be written; nothing changed.",
+    413: "The body is larger than the limit.",
+    422: "The policy is invalid; the one in force is kept.",
+    503: "Not ready: the problems say why.",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        s: {
+            "description": _WHY[s],
+            "content": {"application/json": {"schema": _ERROR_BODY if s != 503 else {"type": "object"}}},
+        }
+        for s in statuses
+    }
+
+
 def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> FastAPI:
     """The admin app; ``public`` for the data port (see the module's docstring)."""
     api = FastAPI(
@@ -204,7 +243,7 @@ def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> 
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @api.get("/readyz")
+    @api.get("/readyz", responses=_errors(503))
     async def readyz() -> JSONResponse:
         a, now = app.admission, app.clock()
         snap = a.snapshot
@@ -237,7 +276,7 @@ def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> 
         """SGLang's /v1/loads shape with the sidecar's held and forwarded-not-prefilled work added."""
         return loads_view(app.admission)
 
-    @api.post("/admission/explain")
+    @api.post("/admission/explain", responses=_errors(400, 413))
     async def explain(request: Request) -> JSONResponse:
         a = app.admission
         body = await request.body()
@@ -269,7 +308,7 @@ def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> 
         }
         return JSONResponse(out)
 
-    @api.post("/admission/policy")
+    @api.post("/admission/policy", responses=_errors(400, 401, 403, 409, 413, 422))
     async def put_policy(request: Request) -> JSONResponse:
         client = f"{request.client.host}:{request.client.port}" if request.client else "unknown client"
         if admin_token is None:
@@ -294,7 +333,13 @@ def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> 
             }
         )
 
-    @api.get("/metrics")
+    # Declared as what it is (Prometheus text), not FastAPI's default JSON: a client generated from
+    # this schema must not expect JSON here (schemathesis found the mismatch).
+    @api.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
     async def metrics() -> Response:
         return Response(generate_latest(app.registry), media_type=CONTENT_TYPE_LATEST)
 
