@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.admission import Admission, Handle, Outcome
 from sidecar.core import demand
-from sidecar.core.cost import Shape, chunk_context
+from sidecar.core.cost import UNBOUNDED_BYTES, Shape, chunk_context, project_bytes
 from sidecar.core.decide import Situation, decide, retry_after_s
 from sidecar.core.decision import Action, Charge, Check, Reason
 from sidecar.core.ledger import Ledger, LedgerTotals
@@ -58,6 +58,16 @@ def test_join_bytes_grow_with_the_batch_from_two_requests_on() -> None:
 def test_the_chunk_context_term_is_chunk_times_context() -> None:
     c = cost(chunk_context_bytes=2.0)
     assert chunk_context(c, Shape(prompt_tokens=10, uncached_tokens=10, chunk_tokens=4)) == 80
+
+
+def test_a_projection_past_float_range_is_unbounded_not_an_error() -> None:
+    """A float term that overflows to inf (a policy's 1e300 coefficient) is more than any device has,
+    so the request is judged unfit: never an OverflowError out of int(inf)."""
+    huge = cost(chunk_context_bytes=1e300)
+    s = Shape(prompt_tokens=500_000, uncached_tokens=500_000, chunk_tokens=16_384)
+    assert project_bytes(huge, s) == UNBOUNDED_BYTES
+    # An integer term too large for the float ones it is added to is unbounded as well.
+    assert project_bytes(cost(fixed_bytes=10**400, chunk_context_bytes=1.0), s) == UNBOUNDED_BYTES
 
 
 JOIN = dict(
