@@ -71,6 +71,7 @@ from sidecar.sim.replay import (
     make_clients,
     outcome_summary,
     start_clients,
+    submit_attempt,
 )
 from sidecar.sim.scenario import (
     Scenario,
@@ -449,17 +450,7 @@ class FleetDriver(VirtualLoop):
         )
 
     def _to_engine(self, tr: Try) -> None:
-        a = tr.attempt
-        a.admitted_at = self.t
-        tr.lane.engine.submit(
-            tr.rid,
-            a.prompt_tokens,
-            max_new_tokens=a.max_new_tokens,
-            now=self.t,
-            prefix_key=a.prefix,
-            cached_tokens_hint=a.cached_tokens,
-            priority=a.priority,
-        )
+        submit_attempt(tr.lane.engine, tr.rid, tr.attempt, self.t)
 
     def _lane_failed(
         self, tr: Try, status: int, outcome: str, retry_after: float | None, give_up: bool

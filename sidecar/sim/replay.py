@@ -291,6 +291,20 @@ def attempt_demand(a: Attempt, rules: Rules, now: float, profile: LaneProfile, r
     )
 
 
+def submit_attempt(engine: Any, rid: str, a: Attempt, now: float) -> None:
+    """Hand an admitted attempt to an engine model (one lane's or a fleet lane's): one home for the call."""
+    a.admitted_at = now
+    engine.submit(
+        rid,
+        a.prompt_tokens,
+        max_new_tokens=a.max_new_tokens,
+        now=now,
+        prefix_key=a.prefix,
+        cached_tokens_hint=a.cached_tokens,
+        priority=a.priority,
+    )
+
+
 class VirtualLoop:
     """The virtual clock and event heap of a replay: what the clients schedule their requests on, and
     what the admission controller reads the time from and schedules its hold deadlines on (one lane's
@@ -441,16 +455,7 @@ class Driver(VirtualLoop):
         self._to_engine(a)
 
     def _to_engine(self, a: Attempt) -> None:
-        a.admitted_at = self.t
-        self.engine.submit(
-            a.rid,
-            a.prompt_tokens,
-            max_new_tokens=a.max_new_tokens,
-            now=self.t,
-            prefix_key=a.prefix,
-            cached_tokens_hint=a.cached_tokens,
-            priority=a.priority,
-        )
+        submit_attempt(self.engine, a.rid, a, self.t)
 
     # -- the engine side ----------------------------------------------------------------------------
 
