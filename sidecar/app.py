@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.access import AccessLog
 from sidecar.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
 from sidecar.admission import Admission
-from sidecar.asgi import Message, Receive, Scope, Send
+from sidecar.asgi import ASGIApp, Message, Receive, Scope, Send
 from sidecar.clock import LoopClock
 from sidecar.core import demand
 from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
@@ -154,12 +154,7 @@ class SidecarApp:
             if not self.admin_on_data_port:
                 await send_response(send, _on_admin_port(path))
                 return
-            if scope["method"] in ("POST", "PUT"):
-                bounded = await _bounded_admin_body(scope, receive, send)
-                if bounded is None:
-                    return
-                receive = bounded
-            await self.public(scope, receive, send)
+            await _with_bounded_body(self.public, scope, receive, send)
         elif scope["method"] == "GET" and normalize_path(path) == LOADS_PATH:
             await self.loads(scope, receive, send)
         elif normalize_path(path) in self.routes.refused:
@@ -171,12 +166,7 @@ class SidecarApp:
         if self.admin_host_check is not None and (refusal := self.admin_host_check.refusal(scope["headers"])):
             await send_response(send, refusal)
             return
-        if scope["method"] in ("POST", "PUT"):
-            bounded = await _bounded_admin_body(scope, receive, send)
-            if bounded is None:
-                return
-            receive = bounded
-        await self.admin(scope, receive, send)
+        await _with_bounded_body(self.admin, scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -430,6 +420,16 @@ async def _bounded_admin_body(scope: Scope, receive: Receive, send: Send) -> Rec
         return await receive()
 
     return replay
+
+
+async def _with_bounded_body(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """Call an admin app with its POST/PUT body read under the admin limit first (both ports)."""
+    if scope["method"] in ("POST", "PUT"):
+        bounded = await _bounded_admin_body(scope, receive, send)
+        if bounded is None:
+            return
+        receive = bounded
+    await app(scope, receive, send)
 
 
 async def _no_lifespan(receive: Receive, send: Send) -> None:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from sidecar.app import SidecarApp
 from sidecar.serving import ServingLimits, serve_app, serve_sidecar
@@ -55,6 +59,49 @@ async def eventually(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition never became true")
         await asyncio.sleep(0.02)
+
+
+def serve_argv(engine_url: str, policy: Path, port: int, admin_port: int, *args: str) -> list[str]:
+    """The command line of a real ``sglang-sidecar serve`` process on the given loopback ports."""
+    return [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "serve",
+        "--upstream",
+        engine_url,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--admin-listen",
+        f"127.0.0.1:{admin_port}",
+        "--policy",
+        str(policy),
+        *args,
+    ]
+
+
+async def wait_serving(proc: subprocess.Popen[str], url: str, timeout: float = 30) -> None:
+    """Wait until a sidecar process answers ``url``, failing at once (with its stderr) if it exits."""
+    async with httpx.AsyncClient(timeout=5) as client:
+
+        async def up() -> bool:
+            if proc.poll() is not None:
+                err = proc.stderr.read() if proc.stderr else ""
+                raise AssertionError(f"sidecar exited during start-up: {err}")
+            try:
+                return (await client.get(url)).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        await eventually(up, timeout=timeout)
+
+
+async def send_sse_start(send: Any) -> None:
+    """An engine stream's beginning, for engines that then fail: SSE headers and one event."""
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+    )
+    await send({"type": "http.response.body", "body": b'data: {"i": 0}\n\n', "more_body": True})
 
 
 def write_gpu_file(path: Path, free_bytes: int, total_bytes: int = 80 * 1024**3) -> None:

@@ -39,6 +39,7 @@ from tests.harness import (
     gen,
     lane,
     read_body,
+    send_sse_start,
     write_gpu_file,
 )
 from tests.test_holes import BAD_METRICS, SHORT, BrokenMetricsEngine, _answer, _open
@@ -150,14 +151,7 @@ class DyingEngine(FakeEngine):
 
     async def _generate(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
         await receive()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b'data: {"i": 0}\n\n', "more_body": True})
+        await send_sse_start(send)
         raise RuntimeError("engine crashed mid-stream")
 
 
@@ -432,14 +426,7 @@ class RestartingEngine(FakeEngine):
             await super()._generate(scope, receive, send)
             return
         await receive()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b'data: {"i": 0}\n\n', "more_body": True})
+        await send_sse_start(send)
         await self.restarted.wait()
         raise RuntimeError("the engine process exited")
 

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,7 +23,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, small_policy
-from tests.harness import FAST, FakeEngine, SidecarUrl, _respond, eventually, serve
+from tests.harness import FAST, FakeEngine, SidecarUrl, _respond, eventually, serve, serve_argv, wait_serving
 
 MARKER = "PROMPT-TEXT-THAT-MUST-NEVER-BE-LOGGED"
 
@@ -49,21 +48,7 @@ async def sidecar(
 ) -> AsyncIterator[tuple[str, subprocess.Popen[str]]]:
     port, admin_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "serve",
-            "--upstream",
-            engine_url,
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--admin-listen",
-            f"127.0.0.1:{admin_port}",
-            "--policy",
-            str(policy),
-            *args,
-        ],
+        serve_argv(engine_url, policy, port, admin_port, *args),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=stderr,
@@ -71,16 +56,7 @@ async def sidecar(
     )
     url = SidecarUrl(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
     try:
-        async with httpx.AsyncClient(timeout=5) as client:
-
-            async def up() -> bool:
-                assert proc.poll() is None, "sidecar exited during start-up"
-                try:
-                    return (await client.get(url + "/readyz")).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            await eventually(up, timeout=30)
+        await wait_serving(proc, url + "/readyz")
         yield url, proc
     finally:
         if proc.poll() is None:

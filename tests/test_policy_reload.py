@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.app import SidecarApp
 from sidecar.policy import load_policy_file
 from tests.conftest import ROOT, small_policy
-from tests.harness import FAST, FakeEngine, SidecarUrl, eventually, serve, serve_both
+from tests.harness import (
+    FAST,
+    FakeEngine,
+    SidecarUrl,
+    eventually,
+    serve,
+    serve_argv,
+    serve_both,
+    wait_serving,
+)
 
 TOKEN = "s3cret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -44,18 +52,23 @@ def reloads(metrics_text: str) -> dict[str, float]:
     return out
 
 
+def file_lane(engine_url: str, policy_file: Path) -> SidecarApp:
+    """A sidecar whose policy comes from ``policy_file`` (uploads are written back to it)."""
+    return SidecarApp(
+        upstream=engine_url,
+        policy=load_policy_file(policy_file),
+        policy_path=str(policy_file),
+        gpu_source=None,
+        admin_token=TOKEN,
+    )
+
+
 async def test_an_upload_is_written_to_the_file_so_sighup_keeps_it(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.INFO, logger="sidecar")
     policy_file = tmp_path / "lane.yaml"
     policy_file.write_text(policy_yaml("from-file"))
     async with serve(FakeEngine()) as engine_url:
-        app = SidecarApp(
-            upstream=engine_url,
-            policy=load_policy_file(policy_file),
-            policy_path=str(policy_file),
-            gpu_source=None,
-            admin_token=TOKEN,
-        )
+        app = file_lane(engine_url, policy_file)
         async with serve_both(app) as url, httpx.AsyncClient(timeout=10) as client:
             text = policy_yaml("uploaded")
             r = await client.post(url.admin + "/admission/policy", content=text, headers=AUTH)
@@ -94,13 +107,7 @@ async def test_refused_uploads_and_bad_tokens_are_logged_and_change_nothing(tmp_
     original = policy_yaml("from-file")
     policy_file.write_text(original)
     async with serve(FakeEngine()) as engine_url:
-        app = SidecarApp(
-            upstream=engine_url,
-            policy=load_policy_file(policy_file),
-            policy_path=str(policy_file),
-            gpu_source=None,
-            admin_token=TOKEN,
-        )
+        app = file_lane(engine_url, policy_file)
         async with serve_both(app) as url, httpx.AsyncClient(timeout=10) as client:
             no_auth = await client.post(url.admin + "/admission/policy", content=policy_yaml("x"))
             assert no_auth.status_code == 401
@@ -160,20 +167,14 @@ async def test_an_upload_to_a_read_only_policy_file_is_refused_with_409(readonly
         proc = subprocess.Popen(
             [
                 *without_privileges(),
-                sys.executable,
-                "-m",
-                "sidecar",
-                "serve",
-                "--upstream",
-                engine_url,
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--admin-listen",
-                f"127.0.0.1:{admin_port}",
-                "--policy",
-                str(policy_file),
-                "--admin-token-file",
-                str(readonly_lane / "token"),
+                *serve_argv(
+                    engine_url,
+                    policy_file,
+                    port,
+                    admin_port,
+                    "--admin-token-file",
+                    str(readonly_lane / "token"),
+                ),
             ],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
@@ -182,16 +183,8 @@ async def test_an_upload_to_a_read_only_policy_file_is_refused_with_409(readonly
         )
         url = SidecarUrl(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
         try:
+            await wait_serving(proc, url + "/healthz")
             async with httpx.AsyncClient(timeout=10) as client:
-
-                async def up() -> bool:
-                    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                    try:
-                        return (await client.get(url + "/healthz")).status_code == 200
-                    except httpx.TransportError:
-                        return False
-
-                await eventually(up, timeout=30)
                 r = await client.post(
                     url.admin + "/admission/policy", content=policy_yaml("uploaded"), headers=AUTH
                 )

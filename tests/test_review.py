@@ -39,6 +39,7 @@ from tests.harness import (
     gen,
     lane,
     read_body,
+    send_sse_start,
     serve,
     write_gpu_file,
 )
@@ -113,14 +114,7 @@ class OddEngine:
             await send({"type": "http.response.body", "body": json.dumps({"size": len(body)}).encode()})
         elif path == "/generate":
             # Headers and one event, then the engine process dies: the chunked body never terminates.
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")],
-                }
-            )
-            await send({"type": "http.response.body", "body": b'data: {"i": 0}\n\n', "more_body": True})
+            await send_sse_start(send)
             raise RuntimeError("engine died mid-stream (on purpose)")
         else:
             await send({"type": "http.response.start", "status": 404, "headers": []})

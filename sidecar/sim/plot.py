@@ -54,6 +54,11 @@ def _crash_text(c: dict[str, Any]) -> str:
     return "\n".join(textwrap.wrap(text, 60))
 
 
+def usage_limit(ax: Any, name: str, value: float, color: str) -> None:
+    """A policy's usage ceiling as a dotted line on a usage panel."""
+    ax.axhline(value, color=color, ls=":", lw=1, label=f"{name} {value:g}")
+
+
 def plot_replay(results: dict[str, dict[str, Any]], out: str, title: str = "", policy: Any = None) -> None:
     """Draw the replay and write it to ``out`` (.png, .svg or .pdf); OSError if it cannot be written."""
     fig = build_figure(results, title, policy)  # selects the Agg backend before pyplot is imported
@@ -171,25 +176,13 @@ def build_figure(results: dict[str, dict[str, Any]], title: str = "", policy: An
             ax.plot(t, s["mamba_usage"], lw=1, label="Mamba usage")
         if r["gate"] and policy is not None:
             if policy.kv.max_usage < 1:
-                ax.axhline(
-                    policy.kv.max_usage,
-                    color="tab:blue",
-                    ls=":",
-                    lw=1,
-                    label=f"kv.max_usage {policy.kv.max_usage:g}",
-                )
+                usage_limit(ax, "kv.max_usage", policy.kv.max_usage, "tab:blue")
             if (
                 policy.mamba is not None
                 and policy.mamba.max_usage < 1
                 and any(v is not None for v in s["mamba_usage"])
             ):
-                ax.axhline(
-                    policy.mamba.max_usage,
-                    color="tab:orange",
-                    ls=":",
-                    lw=1,
-                    label=f"mamba.max_usage {policy.mamba.max_usage:g}",
-                )
+                usage_limit(ax, "mamba.max_usage", policy.mamba.max_usage, "tab:orange")
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("usage")
         legend(ax, col)
