@@ -328,6 +328,7 @@ def _serve_with(settings: Any) -> int:
         settings.drain_timeout_s,
         limits=settings.serving_limits(),
         admin=(app.admin_asgi, settings.admin_host, settings.admin_port),
+        forwarded_allow_ips=settings.forwarded_allow_ips,
     )
 
 
@@ -340,13 +341,15 @@ def run_uvicorn(
     *,
     limits: ServingLimits | None = None,
     admin: tuple[object, str, int] | None = None,
+    forwarded_allow_ips: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain: keep listening (``/readyz`` 503 ``draining``, new gated
     requests 503 ``draining``) while in-flight requests finish, up to ``drain_timeout_s``; only then
     close the listener. A second signal exits at once.
 
     ``admin``: a second app, host and port (the admin listener), served in the same event loop from
-    before the data port opens until after it closes; it takes no signals of its own."""
+    before the data port opens until after it closes; it takes no signals of its own.
+    ``forwarded_allow_ips``: the proxies trusted for ``X-Forwarded-*`` (``serving.uvicorn_options``)."""
     import contextlib
 
     import uvicorn
@@ -363,7 +366,7 @@ def run_uvicorn(
         # The drain already waited for in-flight requests; this is only the listener's last word.
         timeout_graceful_shutdown=2,
         # Header deadline, header size, body gap, connection cap: sidecar/serving.py.
-        **uvicorn_options(limits or ServingLimits()),
+        **uvicorn_options(limits or ServingLimits(), forwarded_allow_ips),
     )
 
     class DrainingServer(uvicorn.Server):
@@ -411,7 +414,7 @@ def run_uvicorn(
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=2,
-            **uvicorn_options(limits or ServingLimits()),
+            **uvicorn_options(limits or ServingLimits(), forwarded_allow_ips),
         )
     )
 
@@ -438,7 +441,11 @@ def run_uvicorn(
             await admin_task
         return 0 if server.started else 3
 
-    return asyncio.run(both())
+    # The loop uvicorn would pick for itself (uvloop when installed, as `uvicorn[standard]` installs
+    # it): `server.run()` chooses it, a bare `asyncio.run` would not, and the stdlib loop costs the
+    # data path about twice the CPU per request (issue #12's profile).
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        return runner.run(both())
 
 
 def _wait(args: argparse.Namespace) -> int:

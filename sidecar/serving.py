@@ -154,13 +154,25 @@ def guarded_protocol(limits: ServingLimits) -> type[GuardedHttpToolsProtocol]:
     return type("GuardedHttpTools", (GuardedHttpToolsProtocol,), {"limits": limits})
 
 
-def uvicorn_options(limits: ServingLimits) -> dict[str, Any]:
-    """The uvicorn.Config arguments that apply ``limits``."""
-    return {
+def uvicorn_options(limits: ServingLimits, forwarded_allow_ips: str | None = None) -> dict[str, Any]:
+    """The uvicorn.Config arguments that apply ``limits``.
+
+    ``forwarded_allow_ips``: the proxies whose ``X-Forwarded-For`` / ``X-Forwarded-Proto`` rewrite a
+    request's client address and scheme (uvicorn's syntax: addresses or networks, comma-separated, or
+    ``*``). None: no proxy is trusted and uvicorn's proxy-headers middleware is not installed at all.
+    uvicorn's own default trusts 127.0.0.1, which lets any process on the host write the client
+    address in the access log, and costs every request (and every resumption of a streaming one) a
+    middleware frame that only the access log's ``client`` field reads.
+    """
+    options: dict[str, Any] = {
         "http": guarded_protocol(limits),
         "limit_concurrency": limits.max_client_connections,
         "timeout_keep_alive": limits.keep_alive_s,
+        "proxy_headers": forwarded_allow_ips is not None,
     }
+    if forwarded_allow_ips is not None:
+        options["forwarded_allow_ips"] = forwarded_allow_ips
+    return options
 
 
 @asynccontextmanager
@@ -183,7 +195,7 @@ async def serve_app(
         access_log=False,
         log_config=None,  # lines go through the process's logging, not uvicorn's own handlers
         timeout_graceful_shutdown=2,
-        **(uvicorn_options(limits) if limits is not None else {}),
+        **(uvicorn_options(limits) if limits is not None else {"proxy_headers": False}),
     )
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -75,6 +75,12 @@ class Settings(BaseSettings):
         help="append decision lines here, always JSON (default: the log stream, in --log-format)",
         metavar="FILE",
     )
+    forwarded_allow_ips: str | None = _opt(
+        None,
+        help="proxies (addresses or networks, comma-separated, or *) whose X-Forwarded-For and "
+        "X-Forwarded-Proto set the client address the access log shows; default: none is trusted",
+        metavar="IPS",
+    )
     # Connection pool to the engine, sized for long SSE streams: each open stream holds one connection.
     max_connections: int = _opt(1024, ge=1, help="upstream connection pool size", metavar="N")
     # A 500K-token prefill can take minutes before its first byte; this bounds the gap between bytes.

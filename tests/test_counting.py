@@ -173,3 +173,23 @@ async def test_a_reload_loads_the_tokenizer_off_the_event_loop(
         assert threads and threading.main_thread() not in threads
         r = await client.post(url.admin + "/admission/explain", json={"text": "the cat sat"})
         assert r.json()["count_method"] == "tokenizer"
+
+
+async def test_the_pollers_never_wait_behind_request_work_in_the_default_executor(tmp_path: Path) -> None:
+    """Every thread of the loop's default executor is taken by work that does not end (as a burst of
+    500K-token bodies being parsed or tokenized takes them, for up to a second each): the engine's
+    /metrics is still parsed and the GPU file still read, so the signals stay fresh."""
+    engine = CountingEngine()
+    release = threading.Event()
+    async with lane(tmp_path, engine) as (_url, app, gpu_file):
+        loop = asyncio.get_running_loop()
+        # More than the default executor holds (min(32, cores + 4)): the rest wait in its queue.
+        blocked = [loop.run_in_executor(None, release.wait) for _ in range(40)]
+        try:
+            before = app.admission.snapshot.engine.observed_at
+            await eventually(lambda: app.admission.snapshot.engine.observed_at > before)
+            write_gpu_file(gpu_file, 123 * 1024 * 1024)
+            await eventually(lambda: app.admission.snapshot.gpu.free_bytes == 123 * 1024 * 1024)
+        finally:
+            release.set()
+            await asyncio.gather(*blocked)

@@ -192,3 +192,33 @@ def test_the_decision_log_writer_keeps_every_line_in_order_and_drops_past_its_bo
     bounded.close()
     assert bounded.dropped >= 100 - 10 - 1  # at most one line was already taken by the writer
     assert len(stuck.getvalue().splitlines()) == 100 - bounded.dropped
+
+
+async def test_no_decision_record_is_built_when_nothing_writes_it(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """No decision-log file and the `sidecar.decision` logger above INFO: the per-decision record (a
+    dict of ~30 fields and the lane context) is never built. At INFO it is, once per decision."""
+    import logging
+
+    import sidecar.observe
+
+    built: list[object] = []
+    real = sidecar.observe.decision_record
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        built.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sidecar.observe, "decision_record", spy)
+    logger = logging.getLogger("sidecar.decision")
+    old = logger.level
+    engine = FakeEngine(events=1)
+    try:
+        async with lane(tmp_path, engine) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
+            logger.setLevel(logging.WARNING)
+            assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
+            assert built == []
+            logger.setLevel(logging.INFO)
+            assert (await client.post(url + "/generate", json=gen(stream=False, rid="r2"))).status_code == 200
+            assert len(built) == 1
+    finally:
+        logger.setLevel(old)

@@ -309,3 +309,14 @@ async def test_a_large_body_is_forwarded_whole_and_let_go_of_while_the_stream_ru
         engine.release.set()
         rest = b"".join([c async for c in chunks])
     assert b"[DONE]" in rest and engine.arrived[-1]["input_ids"] == ids
+
+
+def test_a_requests_headers_are_decoded_once_for_the_parser_and_the_forwarder() -> None:
+    """The parser's dict and the upstream request's headers read one decoded list, kept in the scope."""
+    from sidecar.proxy import _headers_dict, _request_headers
+
+    scope = {"headers": [(b"host", b"x"), (b"x-priority", b"3"), (b"user-agent", "café".encode())]}
+    assert _headers_dict(scope) == {"host": "x", "x-priority": "3", "user-agent": "café"}
+    decoded = scope["sidecar.decoded_headers"]
+    assert dict(_request_headers(scope)) == {"x-priority": "3", "user-agent": "café"}
+    assert scope["sidecar.decoded_headers"] is decoded

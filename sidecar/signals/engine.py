@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.core.snapshot import EngineSignals, SourceHealth
 from sidecar.signals.plausible import Implausible, check_engine_fields, describe
+from sidecar.signals.worker import run_in_signal_thread
 
 log = logging.getLogger(__name__)
 
@@ -612,8 +613,9 @@ class EngineScraper:
         if resp.status_code != 200:
             raise EngineUnavailable(_describe_status(url, resp))
         try:
-            # Off the event loop: even filtered, a page is 1-4 ms of pure Python every poll.
-            reading, blank = await asyncio.to_thread(_decode_and_read, body, self._version)
+            # Off the event loop (even filtered, a page is 1-4 ms of pure Python every poll), on the
+            # pollers' own threads: never queued behind a request's parse or tokenization.
+            reading, blank = await run_in_signal_thread(_decode_and_read, body, self._version)
         except ValueError as exc:
             raise EngineUnavailable(f"GET {url}: the response is not Prometheus text ({exc})") from exc
         if blank:

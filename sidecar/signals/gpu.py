@@ -21,7 +21,6 @@ of the engine's headroom.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
@@ -39,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, SourceHealth
 from sidecar.signals.engine import make_control_client, poll_forever
+from sidecar.signals.worker import run_in_signal_thread
 
 MIB = 1024 * 1024
 # No GPU has a petabyte: a larger figure is a broken writer, and would open the gate wide.
@@ -173,7 +173,7 @@ class NvmlSource:
     async def read(self, now: float) -> GpuSignals:
         # In a worker thread: NVML calls are blocking driver ioctls (~6 µs when the driver is well,
         # nvmlInit ~10 ms, and much longer on a GPU that is falling off the bus); the loop must not wait.
-        return await asyncio.to_thread(self._read, now)
+        return await run_in_signal_thread(self._read, now)
 
     def _read(self, now: float) -> GpuSignals:
         nvml = self._init()
@@ -211,7 +211,7 @@ class NvmlSource:
             self._initialized = False
             self._handles = None
             with contextlib.suppress(Exception):  # shutting down: nothing useful to do with an error
-                await asyncio.to_thread(self._module().nvmlShutdown)
+                await run_in_signal_thread(self._module().nvmlShutdown)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ class DcgmSource:
                 f"{self.spec}: GET {self.url}: {resp.status_code} {resp.reason_phrase}".rstrip()
             )
         # A dcgm-exporter page is tens of KB for a multi-GPU host: parsed off the event loop.
-        devices = await asyncio.to_thread(
+        devices = await run_in_signal_thread(
             parse_dcgm, resp.text, self.uuids, where=f"{self.spec}: GET {self.url}"
         )
         return GpuSignals(observed_at=now, source=self.spec, devices=tuple(devices))
@@ -410,7 +410,7 @@ class FileSource:
 
     async def read(self, now: float) -> GpuSignals:
         try:
-            fingerprint, data, mtime = await asyncio.to_thread(self._read_file)
+            fingerprint, data, mtime = await run_in_signal_thread(self._read_file)
             text = data.decode("utf-8")
         except FileNotFoundError as exc:
             raise GpuSourceError(
