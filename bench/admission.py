@@ -373,6 +373,8 @@ def run_task(task: Task) -> dict[str, Any]:
         "ttft_p99_s": r["ttft_p99_s"],
         "rejected": r["rejected"],
         "rejected_by_reason": r["rejected_by_reason"],
+        # Admitted requests the in-flight guard stopped before their prefill's peak (sidecar only).
+        "guard_aborts": r["rejected_by_reason"].get("prefill_overrun", 0),
         "held": sum(held.values()),
         "held_by_reason": dict(held),
         "wall_s": round(time.perf_counter() - started, 3),

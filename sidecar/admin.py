@@ -129,6 +129,8 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
         # What the sidecar measured of its lane: idle free memory (vram.idle_free_bytes: auto) and
         # the under-prediction monitor, with the cost margin in force.
         **_watch_state(a, now),
+        # The in-flight prefill guard (core/overrun.py): progress read or not, aborts, the last one.
+        "guard": a.guard_state(),
         "ledger": {
             "requests": ledger.requests,
             "prefill_tokens": ledger.prefill_tokens,
@@ -165,6 +167,8 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
         if out["monitor"]["last"] is not None:
             out["monitor"]["last"]["request_ids"] = None
         out["monitor"]["margin"]["why"] = None
+        if out["guard"]["last"] is not None:
+            out["guard"]["last"]["request_id"] = None
         for key in ("last_reload", "last_failure"):
             if out["policy"][key] is not None:
                 out["policy"][key] = out["policy"][key] | {"error": None}

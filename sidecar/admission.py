@@ -27,10 +27,11 @@ from itertools import count
 from typing import Protocol
 
 from sidecar.clock import Clock, Timer
-from sidecar.core.decide import Situation, decide
-from sidecar.core.decision import Action, Decision, Reason
+from sidecar.core.decide import Situation, decide, retry_after_s
+from sidecar.core.decision import Action, Check, Decision, Reason
 from sidecar.core.demand import Demand, reprice
 from sidecar.core.ledger import Ledger, LedgerTotals
+from sidecar.core.overrun import Overrun, Prefill, PrefillProgress, in_flight_bytes, overruns
 from sidecar.core.prefill_rate import PrefillRate
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot
@@ -49,6 +50,8 @@ class Outcome(StrEnum):
     CLIENT_GONE = "client_gone"  # the client left: while held, waiting for headers, or mid-stream
     UPSTREAM_ERROR = "upstream_error"  # the engine could not be reached or broke the response
     BAD_REQUEST = "bad_request"  # 400/413: never reached the engine
+    # Admitted, then aborted by the in-flight guard before its prefill peak: 503 prefill_overrun.
+    PREFILL_OVERRUN = "prefill_overrun"
 
 
 class Observer(Protocol):
@@ -100,6 +103,7 @@ class Handle:
         "_held",
         "_key",
         "_on_done",
+        "_on_overrun",
         "_owner",
         "decision",
         "demand",
@@ -122,6 +126,7 @@ class Handle:
         self._key: int | None = None  # the ledger entry, while charged
         self._held = False
         self._on_done: Callable[[Handle], None] | None = None
+        self._on_overrun: Callable[[Handle], None] | None = None
 
     @property
     def admitted(self) -> bool:
@@ -149,6 +154,13 @@ class Handle:
 
     def end(self, outcome: Outcome) -> None:
         self._owner._end(self, outcome)
+
+    def on_overrun(self, callback: Callable[[Handle], None]) -> None:
+        """What the shell does when the in-flight guard aborts this admitted request before its first
+        byte (``core/overrun.py``): cancel the upstream request and answer the client with the
+        handle's ``decision`` (a 503 ``prefill_overrun``). By then the handle has ended (outcome
+        ``prefill_overrun``) and released its charge; the callback must not block."""
+        self._on_overrun = callback
 
     def __lt__(self, other: Handle) -> bool:
         return self.sort_key < other.sort_key
@@ -213,6 +225,14 @@ class Admission:
         self._timer_at: float | None = None
         self._pumping = False
         self._repump = False
+        # The in-flight prefill guard (core/overrun.py): admitted handles whose prefill has not
+        # finished, in admission order (a dict keeps it), the engine's prefill counter attributed to
+        # them, and what it did.
+        self._prefilling: dict[int, Handle] = {}
+        self.progress = PrefillProgress()
+        self.overruns = 0
+        self.overruns_unfit = 0
+        self.last_overrun: tuple[float, Overrun] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -258,16 +278,60 @@ class Admission:
 
     def update_snapshot(self, snap: Snapshot) -> None:
         self.snapshot = snap
-        if self.watch.observe(snap, self.ledger.totals, self.rules, self.clock.now()):
+        now = self.clock.now()
+        e = snap.engine
+        if e is not None:
+            self.progress.observe(
+                e.prefill_computed_tokens, e.prefill_cached_tokens, e.observed_at, idle=not self._prefilling
+            )
+        in_flight = in_flight_bytes(self.in_flight(now), self.watch.priced)
+        if self.watch.observe(snap, self.ledger.totals, self.rules, now, in_flight):
             self._apply_rules()
+        self._guard()
         self.pump()
 
     def reload(self, policy: LoadedPolicy) -> None:
-        """A new policy: held requests are priced again under it (a new deadline too), then re-decided."""
+        """A new policy: held requests are priced again under it (a new deadline too), then re-decided;
+        admitted prefills are checked against it (the in-flight guard)."""
         self.loaded = policy
         self.watch.reload(policy.policy)
         self._apply_rules()
+        self._guard()
         self.pump()
+
+    def in_flight(self, now: float | None = None) -> list[Prefill]:
+        """The admitted requests whose prefill has not finished, oldest first, with the progress the
+        engine's counter shows for each (None without the counter). With ``now``, a counter read before
+        ``now`` is advanced by what the lane could have computed since, at twice the faster of its
+        measured and its policy's prefill rate: progress is never under-counted (the safe side for the
+        monitor, which compares a reading with the transient at that progress)."""
+        rate = 0.0
+        if now is not None:
+            rate = 2.0 * max(self.prefill_rate.tokens_per_s or 0.0, self.rules.hold.prefill_tokens_per_s)
+        entries = [(k, h.demand) for k, h in self._prefilling.items() if h.demand is not None]
+        return self.progress.prefills(entries, now, rate)
+
+    def guard_state(self) -> dict[str, object]:
+        """For /admission/state: the in-flight guard's counts and its latest abort."""
+        now = self.clock.now()
+        last = self.last_overrun
+        return {
+            "enabled": self.policy.guard.enabled and not self.shadow,
+            "progress": "counter" if self.progress.counter is not None else "unknown (final peaks)",
+            "prefilling": len(self._prefilling),
+            "aborted": self.overruns,
+            "aborted_unfit": self.overruns_unfit,
+            "last": None
+            if last is None
+            else {
+                "request_id": last[1].request_id,
+                "projected_bytes": last[1].projected_bytes,
+                "room_bytes": last[1].room_bytes,
+                "retry": last[1].fits_idle,
+                "why": last[1].why,
+                "age_s": round(now - last[0], 3),
+            },
+        }
 
     def _apply_rules(self) -> None:
         """The rules in force changed (a policy, a measured idle figure, a raised margin): held
@@ -405,8 +469,12 @@ class Admission:
         h.decision, h.waited_s = d, self._waited(h)
         if not len(self.ledger):
             self.prefill_rate.busy(self.clock.now())
+        if not self._prefilling:
+            self.progress.started()
         h._key = self.ledger.charge(d.charge)
-        self.watch.charged(h._key, h.demand.request_id, self.ledger.totals, self.rules.cost)
+        self._prefilling[h._key] = h
+        tracked = self.progress.counter is not None
+        self.watch.charged(h._key, h.demand.request_id, self.ledger.totals, self.rules.cost, tracked)
         if h.shadow_reject is None:
             self.observer.decision(d, h.demand, h.waited_s, self.ledger.totals)
 
@@ -424,6 +492,7 @@ class Admission:
         if h._held:
             self._leave_queue(h)  # the client left while held: no decision, the next one may go
         if h._key is not None:
+            self._left_prefill(h._key, completed=False)
             self.ledger.release(h._key)
             self.watch.ended(h._key, self.clock.now())
             h._key = None
@@ -432,10 +501,88 @@ class Admission:
             self.pump()
 
     def _prefill_done(self, h: Handle, measured: bool) -> None:
+        if h._key is not None:
+            self._left_prefill(h._key, completed=True)
         if h._key is not None and self.ledger.prefill_done(h._key):
             if measured and h.decision is not None:
                 self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())
             self.pump()
+
+    # -- the in-flight prefill guard (core/overrun.py) -------------------------------------------------
+
+    def _left_prefill(self, key: int, completed: bool) -> None:
+        """A prefill ended (its first byte: completed; or the request ended before it): its share of
+        the counter is done work, and what it took at the point it reached may show in the next reading
+        (a caching allocator keeps it)."""
+        if key not in self._prefilling:
+            return
+        before = self.in_flight(self.clock.now())
+        keys = [p.key for p in before]
+        index = keys.index(key)
+        self.progress.left([p.demand.uncached_tokens for p in before], index)
+        h = self._prefilling.pop(key)
+        if self.progress.counter is None or h.demand is None:
+            return
+        gone = before[index]
+        # Completed: its last chunk, as priced when it was admitted.
+        reached = gone.demand.projected_bytes if completed else in_flight_bytes([gone], self.watch.priced)
+        rest = in_flight_bytes(self.in_flight(self.clock.now()), self.watch.priced)
+        self.watch.expect((reached or 0) + (rest or 0))
+
+    def _guard(self) -> None:
+        """Abort the admitted prefills that no longer fit under the rules now in force (the rule is
+        ``core/overrun.overruns``; it runs at every new snapshot and rules change, and finds nothing
+        while nothing tightened). Held requests are re-decided once, after the aborts."""
+        if self.shadow or not self.policy.guard.enabled or not self._prefilling:
+            return
+        found = overruns(self.in_flight(), self.rules, self.snapshot, self.ledger.totals.running_requests)
+        if not found:
+            return
+        was, self._pumping = self._pumping, True  # the caller pumps once after every abort
+        try:
+            for o in found:
+                h = self._prefilling.get(o.key)
+                if h is not None:
+                    self._overrun(h, o)
+        finally:
+            self._pumping = was
+
+    def _overrun(self, h: Handle, o: Overrun) -> None:
+        assert h.demand is not None and h.decision is not None
+        now = self.clock.now()
+        reason = Reason.PREFILL_OVERRUN
+        # Its own prefill tokens are still in the ledger: the work ahead of a retry includes them once.
+        retry = retry_after_s(self.situation(), reason) if o.fits_idle else None
+        check = Check(
+            reason.value, False, o.projected_bytes, o.room_bytes, o.why, "" if o.fits_idle else "transient"
+        )
+        h.decision = Decision(
+            Action.REJECT, reason, retry, o.room_bytes, (*h.decision.checks, check), h.decision.charge
+        )
+        self.overruns += 1
+        self.overruns_unfit += not o.fits_idle
+        self.last_overrun = (now, o)
+        log.warning(
+            "prefill overrun: aborting %s before its peak: %s",
+            o.request_id,
+            o.why,
+            extra={
+                "fields": {
+                    "event": "prefill_overrun",
+                    "request_id": o.request_id,
+                    "projected_bytes": o.projected_bytes,
+                    "room_bytes": o.room_bytes,
+                    "retry_after_s": retry,
+                }
+            },
+        )
+        self.observer.decision(h.decision, h.demand, h.waited_s, self.ledger.totals)
+        self._end(h, Outcome.PREFILL_OVERRUN)
+        if h._on_overrun is not None:
+            try:
+                h._on_overrun(h)
+            except Exception:
+                log.exception("the shell failed to abort %s upstream", o.request_id)
 
 
 def _due_entry(entry: tuple[float, int, Handle]) -> bool:

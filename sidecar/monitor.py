@@ -137,6 +137,15 @@ class LaneWatch:
         self._charged_with = self.margin
         self._alive: dict[int, str] = {}
         self._window_ids: dict[str, None] = {}
+        self._cost: CostModel = CostModel(0, 0, 0, 0, None, self.margin)
+
+    @property
+    def priced(self) -> CostModel:
+        """The cost model the ledger's bytes were priced with: the rules' coefficients at the margin
+        of the latest charge (a raised margin prices the requests admitted after it, not those in
+        flight, so a reading is compared with what they were charged)."""
+        c = self._cost
+        return c if c.margin == self._charged_with else replace(c, margin=self._charged_with)
 
     # -- what Admission tells it ---------------------------------------------------------------------
 
@@ -161,13 +170,26 @@ class LaneWatch:
                 extra={"fields": {"event": "idle_free_reset", "why": why}},
             )
 
-    def charged(self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel) -> None:
-        """A request was admitted (until it ``ended``, no reading is an idle one)."""
+    def charged(
+        self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel, progress: bool = False
+    ) -> None:
+        """A request was admitted (until it ``ended``, no reading is an idle one).
+
+        ``progress``: the in-flight prefills' progress is known (``core/overrun.py``), so the readings
+        are compared with what they allocate at the point reached (``observe(in_flight=...)``), and
+        the request's final peak is not yet expected: only the batch join it may cause is."""
         self._alive[key] = request_id
         self._window_ids[request_id] = None
         self._traffic = True
         self._charged_with = cost.margin
-        p = (projection(totals, cost), cost.margin)
+        self._cost = cost
+        expected = cost.join_bytes(totals.running_requests) if progress else projection(totals, cost)
+        self.expect(expected)
+
+    def expect(self, nbytes: int) -> None:
+        """The engine may have allocated ``nbytes`` beyond idle since the previous reading (a prefill
+        that finished between two readings reached its final peak there)."""
+        p = (nbytes, self._charged_with)
         self._window = max(self._window, p)
         self._peak = max(self._peak, p)
 
@@ -175,13 +197,19 @@ class LaneWatch:
         if self._alive.pop(key, None) is not None:
             self._last_activity = now
 
-    def observe(self, snap: Snapshot, totals: LedgerTotals, rules: Rules, now: float) -> bool:
-        """A new snapshot; True when the rules it builds (``effective``) change."""
+    def observe(
+        self, snap: Snapshot, totals: LedgerTotals, rules: Rules, now: float, in_flight: int | None = None
+    ) -> bool:
+        """A new snapshot; True when the rules it builds (``effective``) change.
+
+        ``in_flight``: what the in-flight prefills allocate at the progress they have reached
+        (``core/overrun.in_flight_bytes``), None when their progress is unknown: a reading is then
+        compared with their final peaks, so a long prefill that runs over is seen only near its end."""
         changed = self._measure_idle(snap, rules, now)
         g = snap.gpu
         if g is not None and g is not self._last_gpu and g.free_bytes is not None:
             self._last_gpu = g
-            changed = self._check(snap, g, g.free_bytes, totals, rules.cost, now) or changed
+            changed = self._check(snap, g, g.free_bytes, totals, rules.cost, now, in_flight) or changed
         return changed
 
     # -- what it gives back ----------------------------------------------------------------------------
@@ -280,11 +308,23 @@ class LaneWatch:
         return None if figure is None else (figure, self._policy.vram.other_processes_bytes)
 
     def _check(
-        self, snap: Snapshot, g: GpuSignals, free: int, totals: LedgerTotals, cost: CostModel, now: float
+        self,
+        snap: Snapshot,
+        g: GpuSignals,
+        free: int,
+        totals: LedgerTotals,
+        cost: CostModel,
+        now: float,
+        in_flight: int | None,
     ) -> bool:
         base = self._baseline()
         prev, self._prev_free = self._prev_free, free
-        current = (projection(totals, cost), self._charged_with)
+        expected = (
+            projection(totals, cost)
+            if in_flight is None
+            else max(in_flight, cost.join_bytes(totals.running_requests))
+        )
+        current = (expected, self._charged_with)
         window, ids = max(self._window, current), tuple(self._window_ids)
         self._window = current
         self._window_ids = dict.fromkeys(self._alive.values())

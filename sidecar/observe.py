@@ -51,7 +51,14 @@ FIRST_BYTE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 30
 HOLD_REASONS = tuple(
     r
     for r in Reason
-    if r not in (Reason.QUEUE_FULL, Reason.HOLD_TIMEOUT, Reason.UNFIT_REQUEST, Reason.DRAINING)
+    if r
+    not in (
+        Reason.QUEUE_FULL,
+        Reason.HOLD_TIMEOUT,
+        Reason.UNFIT_REQUEST,
+        Reason.DRAINING,
+        Reason.PREFILL_OVERRUN,
+    )
 )
 
 log = logging.getLogger("sidecar.decision")
@@ -141,7 +148,12 @@ class Telemetry:
         )
         # Only the pairs that can happen exist: an admit has no reason, a reject always has one.
         self._admits = decisions.labels(Action.ADMIT.value, "none")
-        self._rejects = {r: decisions.labels(Action.REJECT.value, r.value) for r in Reason}
+        # A guard abort (prefill_overrun) follows the request's admit: not a second final decision.
+        self._rejects = {
+            r: decisions.labels(Action.REJECT.value, r.value)
+            for r in Reason
+            if r is not Reason.PREFILL_OVERRUN
+        }
         held = Counter(
             PREFIX + "held",
             "Gated requests parked in the hold queue, by the reason they were held (whatever came next)",
@@ -203,6 +215,10 @@ class Telemetry:
         elif d.action is Action.ADMIT:
             self._admits.inc()
             self._hold.observe(waited_s)
+        elif d.reason is Reason.PREFILL_OVERRUN:
+            # The in-flight guard aborted an admitted request (it was counted as an admit, and its
+            # outcome is `prefill_overrun`); only the decision log records this second verdict.
+            pass
         else:
             self._rejects[d.reason or Reason.UNFIT_REQUEST].inc()
             self._hold.observe(waited_s)

@@ -261,6 +261,17 @@ class Monitor(_Strict):
     min_bytes: Size = 32 * 1024 * 1024
 
 
+class Guard(_Strict):
+    """The in-flight prefill guard (``sidecar/core/overrun.py``): when the rules tighten (the monitor
+    raised the margin) or the room shrinks (another process on the card grew), every admitted request
+    still prefilling is priced again, and one that no longer fits is aborted before its peak chunk,
+    with a 503 ``prefill_overrun``, instead of killing the engine and everything in it. Enforce mode
+    only (shadow never aborts). ``enabled: false`` turns it off (the lane then relies on the margin
+    and the reserve alone, as before it existed)."""
+
+    enabled: bool = True
+
+
 class Kv(_Strict):
     reserve_tokens: int = Field(default=0, ge=0)
     max_usage: float = Field(default=1.0, gt=0, le=1.0)
@@ -482,6 +493,7 @@ class Policy(_Strict):
     answers: Answers = Answers()
     priority: Priority = Priority()
     monitor: Monitor = Monitor()
+    guard: Guard = Guard()
 
     def located_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
         """Policies that validate field by field but could never admit anything, each at its field.

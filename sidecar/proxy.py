@@ -167,6 +167,16 @@ class Proxy:
         try:
             await self._admit_and_forward(scope, body, send, handle, route, sent_id)
         except asyncio.CancelledError:
+            if handle.outcome is Outcome.PREFILL_OVERRUN and _overrun_cancel(handle):
+                # The in-flight guard stopped it before its first byte (core/overrun.py): the upstream
+                # request was cancelled with this task (the engine aborts it as the connection closes),
+                # and the client, who has seen nothing yet, gets the gate's answer.
+                assert handle.decision is not None and handle.demand is not None
+                answers = self.admission.policy.answers
+                await send_response(
+                    send, rejection_response(handle.decision, handle.demand, handle.waited_s, answers)
+                )
+                return
             handle.end(Outcome.CLIENT_GONE)  # held, waiting for headers, or mid-stream
             raise
         except BaseException:
@@ -178,6 +188,9 @@ class Proxy:
     ) -> None:
         admitted = await self._decide(scope, body.data, send, handle, route, sent_id)
         if admitted is not None:
+            task = asyncio.current_task()
+            assert task is not None
+            handle.on_overrun(lambda h: task.cancel(_OVERRUN))
             # The parsed request, its count and demand died with _decide's frame; a large body's raw
             # bytes go once they are written to the engine, not after the minutes a stream takes.
             extra, forward = admitted
@@ -289,20 +302,30 @@ class Proxy:
                     # Ours names this request in the decision log; an engine's echo would duplicate it.
                     headers = [h for h in headers if h[0] != b"x-request-id"]
                 headers += extra_headers
-                await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-                started = True
+                start = {"type": "http.response.start", "status": resp.status, "headers": headers}
+                if handle is None:
+                    await send(start)
+                    started = True
                 # The chunks skip the access log's wrapper (it is told their total at the end).
                 send_chunk = note.get("raw_send", send) if note is not None else send
                 chunks = resp.content.iter_any()
                 relayed = 0
                 try:
                     if handle is not None:
+                        # A gated answer starts at the engine's first body byte (SGLang sends a stream's
+                        # headers before its prefill): until then the in-flight guard may still turn
+                        # it into a clean 503 (core/overrun.py).
                         async for chunk in chunks:
                             handle.prefill_done(measured and resp.status == 200)
                             self.on_first_byte(time.monotonic() - forwarded_at)
                             relayed += len(chunk)
+                            await send(start)
+                            started = True
                             await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
                             break
+                        if not started:
+                            await send(start)
+                            started = True
                     async for chunk in chunks:
                         relayed += len(chunk)
                         await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -347,6 +370,18 @@ async def _acquire(handle: Handle, demand: Demand) -> bool:
         answered = asyncio.get_running_loop().create_future()
         await answered
     return handle.admitted
+
+
+# The cancellation message of a request the in-flight guard stopped (Handle.on_overrun).
+_OVERRUN = "prefill_overrun"
+
+
+def _overrun_cancel(handle: Handle) -> bool:
+    """This task was cancelled by the guard's abort of ``handle`` alone (not also by the client leaving
+    or a shutdown): take that cancellation back, so the task can still answer."""
+    task = asyncio.current_task()
+    assert task is not None
+    return task.uncancel() == 0
 
 
 class UpstreamBroke(Exception):

@@ -39,6 +39,10 @@ REJECT_MESSAGES = {
     "hold_timeout": "The request waited the maximum hold time without room opening.",
     "engine_unavailable": "The engine is unreachable.",
     "draining": "The sidecar is shutting down.",
+    "prefill_overrun": (
+        "The lane could no longer run this request's prefill safely (its memory grew short while it "
+        "ran); it was stopped before its peak, and nothing was generated."
+    ),
 }
 
 
@@ -103,6 +107,10 @@ def answer_for(answers: Answers, d: Decision) -> Answer:
     if d.reason is Reason.UNFIT_REQUEST:
         check = unfit_check(d)
         return answers.unfit_context if check is not None and check.limit == "context" else answers.unfit_lane
+    if d.reason is Reason.PREFILL_OVERRUN and d.retry_after_s is None:
+        # Stopped by the in-flight guard, and larger than the lane can ever run under the rules now in
+        # force: no wait helps, as for an unfit request.
+        return answers.unfit_lane
     return answers.for_reason(d.reason.value if d.reason else "")
 
 
@@ -152,6 +160,9 @@ def rejection_response(d: Decision, demand: Demand, waited_s: float, answers: An
     wait_ms = round(waited_s * 1000)
     if d.reason is Reason.UNFIT_REQUEST:
         message = unfit_message(unfit_check(d))
+    elif d.reason is Reason.PREFILL_OVERRUN and d.retry_after_s is None:
+        check = next((c for c in d.checks if c.name == reason), None)
+        message = REJECT_MESSAGES[reason] + " " + unfit_message(check)
     else:
         message = REJECT_MESSAGES.get(reason, reason) + (f" Retry after {retry} s." if retry else "")
     kind = "invalid_request_error" if answer.status < 500 else "admission_rejected"

@@ -56,7 +56,8 @@ async def test_the_sidecar_scraper_reads_the_emulator_as_the_model_holds_it() ->
 
 
 async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable() -> None:
-    """A crash seen through the sidecar: in-flight streams break, then the gate says engine_unavailable."""
+    """A crash seen through the sidecar: the request in flight fails (a 502, its stream not started),
+    then the gate says engine_unavailable."""
     import aiohttp
 
     from sidecar.app import SidecarApp
@@ -100,11 +101,12 @@ async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable
             async with serve_both(app) as url, aiohttp.ClientSession() as session:
                 await eventually(lambda: app.admission.snapshot.engine is not None)
                 body = {"text": "x", "stream": True, "emulator": {"prompt_tokens": 400_000}}
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    async with session.post(url + "/generate", json=body) as resp:
-                        assert resp.status == 200
-                        async for _ in resp.content:
-                            pass
+                # The engine dies in the prefill, before the stream's first byte: the answer has not
+                # started (a gated answer starts with the engine's first byte), so the client gets a
+                # clean 502 instead of a cut stream.
+                async with session.post(url + "/generate", json=body) as resp:
+                    assert resp.status == 502
+                    assert (await resp.json())["error"]["code"] == "upstream_error"
                 await eventually(lambda: app.admission.snapshot.engine_health.consecutive_failures >= 3)
                 async with session.post(url + "/generate", json=body | {"stream": False}) as resp:
                     assert resp.status == 503

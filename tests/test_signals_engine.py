@@ -74,6 +74,9 @@ BUSY_HYBRID = {
     "mamba_available_slots": 47,
     "mamba_evictable_slots": 0,
     "context_len": 524288,
+    # sglang:realtime_tokens_total{mode="prefill_compute"}; the page has no prefill_cache series (0).
+    "prefill_computed_tokens": 381622,
+    "prefill_cached_tokens": 0,
 }
 
 

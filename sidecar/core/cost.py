@@ -79,3 +79,24 @@ def project_bytes(c: CostModel, s: Shape, terms: tuple[Term, ...] = TERMS) -> in
     except OverflowError:  # an integer term too large for the float ones it is added to
         return UNBOUNDED_BYTES
     return min(int(total), UNBOUNDED_BYTES) if math.isfinite(total) else UNBOUNDED_BYTES
+
+
+# -- the transient at a point of the prefill (the in-flight guard and the monitor, ``core/overrun.py``) --
+
+
+def project_at_progress(
+    c: CostModel, prompt_tokens: int, uncached_tokens: int, chunk: int, done_tokens: int, cached_tokens: int
+) -> int:
+    """The most any chunk of a prefill can allocate once ``done_tokens`` of it are computed, with at
+    most ``cached_tokens`` of the prompt taken from the cache, margin included.
+
+    A chunked prefill's transient grows chunk by chunk to the last one's, which is what
+    :func:`project_bytes` (the admission's figure) prices. The chunk after ``done_tokens`` has at most
+    ``min(uncached, chunk)`` tokens (1 for a fully cached prompt: SGLang still runs one extend step)
+    and ends at most at ``cached + done + chunk`` tokens of context, never beyond the prompt: the
+    bound grows with ``done_tokens`` and reaches the final chunk's at the end. The monitor compares a
+    GPU reading taken while a request prefills with this, so that a lane whose transients run 1.2x its
+    coefficients is seen on the first chunks, not only near the last."""
+    n = min(uncached_tokens, chunk) or 1
+    context = min(prompt_tokens, max(0, cached_tokens) + max(0, done_tokens) + n)
+    return project_bytes(c, Shape(context, uncached_tokens, n))

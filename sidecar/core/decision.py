@@ -26,6 +26,8 @@ class Reason(StrEnum):
     HOLD_TIMEOUT = "hold_timeout"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     DRAINING = "draining"
+    # An admitted request aborted by the in-flight guard before its prefill peak (``core/overrun.py``).
+    PREFILL_OVERRUN = "prefill_overrun"
 
 
 @dataclass(frozen=True, slots=True)

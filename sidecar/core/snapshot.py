@@ -40,6 +40,11 @@ class EngineSignals:
     mamba_evictable_slots: int | None = None
     # Prefill tokens waiting in the engine: /v1/loads `num_waiting_uncached_tokens` (0.5.9+).
     pending_prefill_tokens: int | None = None
+    # Prompt tokens the engine has computed since it started (`sglang:realtime_tokens_total{mode=
+    # "prefill_compute"}`, per prefill batch): the in-flight prefills' progress (``core/overrun.py``).
+    prefill_computed_tokens: int | None = None
+    # ... and those it took from its prefix cache (`mode="prefill_cache"`): bounds a prefill's hit.
+    prefill_cached_tokens: int | None = None
     # Lane constants, from /server_info or /v1/loads.
     chunked_prefill_size: int | None = None
     max_running_requests: int | None = None

@@ -104,6 +104,10 @@ _V0514_MARKERS = frozenset(
     }
 )
 
+# The in-flight prefills' progress (core/overrun.py): a counter SGLang grows by every prefill batch's
+# computed tokens (docs/evidence.md S24), one series per mode.
+PREFILL_COUNTER = "sglang:realtime_tokens_total"
+
 _MAMBA_FIELDS = ("mamba_usage", "mamba_used_slots", "mamba_available_slots", "mamba_evictable_slots")
 
 
@@ -156,7 +160,7 @@ def _combine(values: Iterable[float], how: str) -> float:
 # before the real parser sees it, which makes a scrape ~10x cheaper.
 _READ = frozenset(
     {name for name, _, _ in _GAUGES.values()}
-    | {"sglang:token_usage", "sglang:num_used_tokens"}
+    | {"sglang:token_usage", "sglang:num_used_tokens", PREFILL_COUNTER}
     | {f"sglang:swa_{kind}_tokens" for kind in ("used", "available", "evictable")}
 )
 _WANTED = _READ | {"sglang_" + n[len("sglang:") :] for n in _READ}
@@ -223,12 +227,14 @@ def read_metrics(text: str, *, version: str | None = None) -> MetricsReading:
     pids = frozenset(s.labels["pid"] for group in samples.values() for s in group if s.labels.get("pid"))
     nonfinite: dict[str, Implausible] = {}
 
-    def gauge(name: str, how: str) -> float | None:
+    def gauge(name: str, how: str, mode: str | None = None) -> float | None:
         # dp rank -> (tp rank, value): one series per DP rank, from its lowest TP rank.
         best: dict[str | None, tuple[int, float]] = {}
         for s in samples.get(name, ()):
             if s.labels.get("priority", "") != "":
                 continue  # per-priority breakdown; the total is the priority="" series
+            if mode is not None and s.labels.get("mode") != mode:
+                continue
             value = float(s.value)
             if not math.isfinite(value):
                 nonfinite.setdefault(name, Implausible(name, value, "not a finite number"))
@@ -247,6 +253,14 @@ def read_metrics(text: str, *, version: str | None = None) -> MetricsReading:
         value = gauge(name, how)
         if value is not None:
             out[field] = round(value) if is_int else value
+
+    computed = gauge(PREFILL_COUNTER, _SUM, mode="prefill_compute")
+    if computed is not None:
+        out["prefill_computed_tokens"] = round(computed)
+        # Builds that skip zero increments export no cache series until the first hit (the 0.5.23
+        # fixture: compute and decode only). An absent one beside the compute series is 0 so far.
+        cached = gauge(PREFILL_COUNTER, _SUM, mode="prefill_cache")
+        out["prefill_cached_tokens"] = 0 if cached is None else round(cached)
 
     # Before 0.5.14 `token_usage` is the full-attention usage; from 0.5.14 on it mixes the pools.
     vt = _version_tuple(version)

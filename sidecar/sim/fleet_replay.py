@@ -436,6 +436,7 @@ class FleetDriver(VirtualLoop):
         rec = self.records[tr.attempt.rid]
         rec.held_s = round(self.t - tr.attempt.arrival, 4)
         if h.admitted:
+            h.on_overrun(lambda h, tr=tr: self._overrun(tr, h))
             self._to_engine(tr)
             return
         assert h.decision is not None and h.decision.reason is not None and tr.lane.admission is not None
@@ -448,6 +449,12 @@ class FleetDriver(VirtualLoop):
             retry_after,
             give_up=ans.should_retry is False,
         )
+
+    def _overrun(self, tr: Try, h: Handle) -> None:
+        """The lane's in-flight guard aborted the try before its first token: its engine drops it and
+        the router gets the lane's 503, as for a rejection."""
+        tr.lane.engine.abort(tr.rid, self.t)
+        self._gate_answered(tr, h)
 
     def _to_engine(self, tr: Try) -> None:
         submit_attempt(tr.lane.engine, tr.rid, tr.attempt, self.t)

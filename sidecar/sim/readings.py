@@ -42,6 +42,9 @@ def engine_signals(model: EngineModel, now: float) -> EngineSignals:
         queue_requests=loads.num_waiting_reqs,
         pending_prefill_tokens=loads.num_waiting_uncached_tokens,
         max_running_requests=loads.max_running_requests,
+        # Counters are live in SGLang (grown per prefill batch), not published with the gauges.
+        prefill_computed_tokens=model.counters.prefill_compute_tokens,
+        prefill_cached_tokens=model.counters.prefill_cache_tokens,
     )
     return EngineSignals(
         observed_at=now,

@@ -452,7 +452,14 @@ class Driver(VirtualLoop):
             a.client.on_done(a, False, float(retry))
             return
         a.handle = h
+        h.on_overrun(lambda h, a=a: self._overrun(a, h))
         self._to_engine(a)
+
+    def _overrun(self, a: Attempt, h: Handle) -> None:
+        """The in-flight guard aborted an admitted attempt before its first token: the engine drops
+        it (as SGLang's /abort_request does) and the client gets the 503 (the same path as a rejection)."""
+        self.engine.abort(a.rid, self.t)
+        self._gate_answered(a, h)
 
     def _to_engine(self, a: Attempt) -> None:
         submit_attempt(self.engine, a.rid, a, self.t)
@@ -602,6 +609,7 @@ class Driver(VirtualLoop):
             out["ledger_at_end"] = self.admission.ledger.totals.requests
             # The under-prediction monitor, as /admission/state shows it (sidecar/monitor.py).
             out["monitor"] = self.admission.watch.state(self.t)
+            out["guard"] = self.admission.guard_state()
         out["requests_detail"] = [r.__dict__ for r in self.records.values()]
         out["series"] = self.series
         out["decision_events"] = self.recorder.decisions

@@ -1,0 +1,248 @@
+"""The in-flight prefill guard: which admitted requests, still prefilling, must be aborted now.
+
+Why: a long prompt is prefilled chunk by chunk for seconds to minutes, and its transient grows with the
+context to its peak at the last chunk. The admission priced that peak with the rules of its instant.
+Two things can make it wrong while the prefill runs: the rules tighten (the under-prediction monitor,
+``sidecar/monitor.py``, has seen this lane allocate more than its coefficients say and raised the
+margin) or the room shrinks (another process on the card grew after the request was admitted, which no
+admission-time check can see). A request whose peak no longer fits will kill the engine at its last
+chunk, and every request in flight with it. Aborted before that chunk, it costs only itself: its client
+gets a 503 ``prefill_overrun`` (no header was sent yet: the first byte comes after the prefill), with a
+``Retry-After`` when it would fit an idle lane under the rules now in force, and none when it never
+would (``unfit_request``'s semantics).
+
+**The rule** (:func:`overruns`, one place): every admitted request whose prefill has not finished is
+priced again with the rules now in force (``demand.reprice``: the same projection as the admission),
+and their peaks are summed, as the ledger sums them at admission (``core/ledger.py`` says why the sum).
+1. one whose repriced peak exceeds the largest transient the lane can ever run (``vram.transient_cap``)
+   is aborted, without Retry-After;
+2. then, while the sum exceeds the room the lane has for prefill transients now (its idle budget less
+   what other processes grew by, less the reserve: ``decide.headroom_bytes`` with nothing booked), or
+   the batch the prefills join when they finish would allocate more than that room
+   (``CostModel.join_bytes`` of every admitted request still running: the join and a prefill never
+   share a forward pass, so each is checked alone, as ``constraints.BatchJoin`` does at admission),
+   the youngest is aborted first (the one that has done the least work and came last), and it stops
+   once the rest fits.
+With live NVML free as headroom (``nvml_free``) the room includes what the in-flight prefills already
+hold, which a caching allocator's reading cannot tell apart from its cache; there only step 1 applies.
+
+**Progress** (:class:`PrefillProgress`): SGLang's counter ``sglang:realtime_tokens_total{mode=
+"prefill_compute"}`` grows by each prefill batch's computed tokens, and ``mode="prefill_cache"`` by its
+cache hits (docs/evidence.md S24); the engine prefills in arrival order, so the counters' growth since
+the in-flight prefills began is theirs, first come first served. The monitor then compares a GPU
+reading with what they can allocate at the progress reached (:func:`in_flight_bytes`), not with each
+prefill's final peak; without the counter it keeps comparing with the final peaks. Every estimate errs
+towards a larger projection (more progress, a larger cache hit, a prefill not yet shown as started
+taken at its final peak), so no reading is taken for an under-prediction because progress was
+under-counted: a false finding would raise the margin and starve the lane.
+
+Pure: no I/O, no clock; times are parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sidecar.core.cost import project_at_progress
+from sidecar.core.decide import headroom_bytes
+from sidecar.core.demand import Demand, reprice
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.rules import CostModel, Rules
+from sidecar.core.snapshot import Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """One admitted request whose prefill has not finished (no first byte yet), in admission order."""
+
+    key: int
+    demand: Demand
+    # Prompt tokens the engine has computed for it, an upper bound (None: unknown, no counter).
+    done_tokens: int | None = None
+    # Whether the counter has shown its first batch: only then is its cache hit counted, and bounded
+    # by ``cached_bound`` (the cache counter's growth over the in-flight prefills).
+    started: bool = False
+    cached_bound: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Overrun:
+    """A verdict of the guard: abort this prefill now."""
+
+    key: int
+    request_id: str
+    # Its peak under the rules now in force, and what it had to fit in (the cap for an unfit one).
+    projected_bytes: int
+    room_bytes: int
+    # False: larger than the lane can ever run under these rules (no Retry-After).
+    fits_idle: bool
+    why: str
+
+
+def overruns(
+    prefills: Sequence[Prefill], rules: Rules, snap: Snapshot, running: int = 0
+) -> tuple[Overrun, ...]:
+    """The prefills to abort, in the order to abort them (the module docstring's rule). ``running``:
+    the admitted requests not ended (the in-flight prefills included): the batch they all join."""
+    if not prefills:
+        return ()
+    peaks = [reprice(rules, p.demand).projected_bytes for p in prefills]
+    cap = rules.vram.transient_cap()
+    out: list[Overrun] = []
+    keep: list[int] = []
+    for i, p in enumerate(prefills):
+        if cap is not None and peaks[i] > cap:
+            why = (
+                f"projected peak {_mib(peaks[i])} under the rules now in force exceeds the lane's {_mib(cap)}"
+            )
+            out.append(Overrun(p.key, p.demand.request_id, peaks[i], cap, False, why))
+        else:
+            keep.append(i)
+    room = None if rules.vram.uses_gpu_signal else headroom_bytes(rules, snap, LedgerTotals())
+    if room is None:
+        return tuple(out)
+    total = sum(peaks[i] for i in keep)
+    running -= len(out)
+    while keep:
+        join = rules.cost.join_bytes(running)
+        if total > room:
+            why = f"in-flight prefills project {_mib(total)} under the rules now in force"
+        elif join > room:
+            why = f"joining the running batch of {running} projects {_mib(join)} under the rules now in force"
+        else:
+            break
+        i = keep.pop()  # the youngest
+        p = prefills[i]
+        out.append(
+            Overrun(p.key, p.demand.request_id, peaks[i], room, True, f"{why}, the lane has {_mib(room)} now")
+        )
+        total -= peaks[i]
+        running -= 1
+    return tuple(out)
+
+
+def in_flight_bytes(prefills: Sequence[Prefill], cost: CostModel) -> int | None:
+    """The most the in-flight prefills can allocate now, at the progress they have reached (None when
+    it is unknown: the caller then compares with their final peaks, as without a counter).
+
+    A started prefill takes ``cost.project_at_progress`` (its next chunk at the context it can have
+    reached, its cache hit bounded by what the cache counter showed). One not started yet may be in
+    the batch running now with a cache hit no counter has shown yet, so it takes its final peak;
+    unless an earlier one still has a full chunk or more to compute, which fills every batch until
+    the next reading: then it cannot be running."""
+    total = 0
+    alone = False
+    for p in prefills:
+        if p.done_tokens is None:
+            return None
+        d = p.demand
+        if not p.started:
+            if not alone:
+                total += project_at_progress(
+                    cost, d.prompt_tokens, d.uncached_tokens, d.chunk_size, d.prompt_tokens, 0
+                )
+            continue
+        hit = max(d.cached_tokens, p.cached_bound)
+        total += project_at_progress(
+            cost, d.prompt_tokens, d.uncached_tokens, d.chunk_size, p.done_tokens, hit
+        )
+        alone = alone or d.prompt_tokens - hit - p.done_tokens >= d.chunk_size
+    return total
+
+
+class PrefillProgress:
+    """The engine's prefill counters attributed to the in-flight prefills, first come first served.
+
+    ``sglang:realtime_tokens_total`` counts, per prefill batch, the tokens computed
+    (``prefill_compute``) and those taken from the cache (``prefill_cache``). What the compute counter
+    grew by since ``base`` belongs to the in-flight prefills, the oldest first, each up to its uncached
+    tokens (the gate's count, an upper bound: a prompt the engine found cached computes less, and the
+    surplus lands on the next one, which then looks further on: the safe side). A prefill that leaves
+    (first byte, abort, failure) takes the share attributed to it then into ``base``; with nothing in
+    flight ``base`` follows the counter; a counter that went backwards (a restarted engine) restarts
+    it. The cache counter's growth over the same time bounds any started prefill's cache hit.
+
+    A counter read at ``counter_at`` is older than a GPU reading at ``now``: the engine may have
+    computed up to ``allowance_rate`` tokens per second since (the caller's figure, or twice the rate
+    the counter itself grew at over its last interval, whichever is larger) plus the chunk it may
+    have been finishing as it was read, and they are counted as done too (they never make a prefill
+    count as started: its cache hit would not be counted yet).
+    """
+
+    def __init__(self) -> None:
+        self.counter: int | None = None
+        self.cached: int | None = None
+        self.counter_at: float | None = None
+        self.base: int | None = None
+        self.base_cached = 0
+        # The compute counter's growth rate over the last interval between two reports (tokens/s).
+        self.rate = 0.0
+
+    def observe(self, counter: int | None, cached: int | None, at: float, idle: bool) -> None:
+        """A new engine report (``counter`` None: the engine does not export it)."""
+        if counter is None:
+            self.counter = self.cached = self.counter_at = self.base = None
+            return
+        restarted = self.counter is not None and (
+            counter < self.counter or (cached or 0) < (self.cached or 0)
+        )
+        if self.base is None or idle or restarted:
+            self.base, self.base_cached = counter, cached or 0
+        if self.counter is not None and self.counter_at is not None and at > self.counter_at:
+            self.rate = max(0.0, (counter - self.counter) / (at - self.counter_at))
+        self.counter, self.cached, self.counter_at = counter, cached, at
+
+    def started(self) -> None:
+        """The first prefill of an idle ledger was admitted: what the counters show now is older work."""
+        if self.counter is not None:
+            self.base, self.base_cached = self.counter, self.cached or 0
+
+    def done(
+        self, uncached: Sequence[int], now: float | None = None, allowance_rate: float = 0.0, chunk: int = 0
+    ) -> list[tuple[int, int, int | None]] | None:
+        """Per in-flight prefill (admission order): (tokens counted, tokens with the allowance, cache
+        hit bound, None when the engine does not count cache hits); None without a counter."""
+        if self.counter is None or self.base is None:
+            return None
+        counted = self.counter - self.base
+        extra = 0
+        rate = max(allowance_rate, 2.0 * self.rate)
+        if now is not None and self.counter_at is not None and now > self.counter_at:
+            # What it computed since, and the chunk it may have been finishing when it was read.
+            extra = math.ceil((now - self.counter_at) * rate) + chunk
+        hits = None if self.cached is None else self.cached - self.base_cached
+        out = []
+        for u in uncached:
+            share = min(max(0, u), max(0, counted))
+            reach = min(max(0, u), max(0, counted + extra))
+            out.append((share, reach, hits))
+            counted -= share
+            extra -= reach - share
+        return out
+
+    def prefills(
+        self, entries: Sequence[tuple[int, Demand]], now: float | None = None, allowance_rate: float = 0.0
+    ) -> list[Prefill]:
+        """The in-flight prefills with their progress (``done_tokens`` None without a counter)."""
+        chunk = max((d.chunk_size for _, d in entries), default=0)
+        done = self.done([d.uncached_tokens for _, d in entries], now, allowance_rate, chunk)
+        if done is None:
+            return [Prefill(k, d) for k, d in entries]
+        out = []
+        for (k, d), (share, reach, hits) in zip(entries, done, strict=True):
+            # Without a cache counter a hit is unbounded: the whole prompt may have come from the cache.
+            bound = d.prompt_tokens if hits is None else hits
+            out.append(Prefill(k, d, reach, share > 0, bound))
+        return out
+
+    def left(self, uncached: Sequence[int], index: int) -> None:
+        """The prefill at ``index`` of ``uncached`` left: its share so far is done work."""
+        shares = self.done(uncached)
+        if shares is not None and self.base is not None:
+            self.base += shares[index][0]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
