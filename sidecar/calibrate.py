@@ -292,6 +292,43 @@ def _busy(info: EngineInfo) -> bool:
     return bool(info.running or info.waiting or info.pending_prefill_tokens)
 
 
+def frontier_probes(coef: Coefficients, chunk: int, longest: int, top: int, limit: float) -> list[Probe]:
+    """Where the lane's longest admissible prompts are: the longest cold prompt of whole chunks (its
+    last chunk full, the step the gate projects) predicted to peak within ``limit``, and one halfway
+    from the longest probe run so far. The plan's lengths grow by half each; without these the fit
+    would stop at the last one below the headroom and extrapolate the rest of the way to the limit."""
+    lo, hi = 0, top // chunk
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if coef.probe_peak(Probe("frontier", mid * chunk), chunk) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    far = lo * chunk
+    if far <= longest:
+        return []
+    out = [Probe(f"alone-{far}", far)]
+    half = (longest + far) // 2 // chunk * chunk
+    if longest < half < far:
+        out.append(Probe(f"alone-{half}", half))
+    return out
+
+
+def _caution(observations: Sequence[Observation], coef: Coefficients, chunk: int) -> float:
+    """How far the visible single probes so far ran over ``coef``: the worst observed/predicted ratio,
+    or 1 + 3 standard deviations of the ratios, at least 1 (the margin ``fit`` will propose, unsafed).
+    A frontier probe is sized within the headroom divided by this, so a noisy lane is probed less far."""
+    ratios = [
+        o.after / p
+        for o in _single_usable(observations)
+        if not o.censored and (p := coef.probe_peak(o.probe, chunk)) > 0
+    ]
+    if not ratios:
+        return 1.0
+    sigma = math.sqrt(sum((r - 1.0) ** 2 for r in ratios) / len(ratios))
+    return max(1.0, *ratios, 1.0 + 3.0 * sigma)
+
+
 def _groups_due(observations: Sequence[Observation], chunk: int) -> bool:
     """Groups run once the single probes have given the fit its shape, while the mark is still low:
     a join above the mark is then measured exactly, one below it is bounded by a small number."""
@@ -329,17 +366,65 @@ async def run_probes(
     groups = sorted((p for p in probes if p.concurrent > 1), key=lambda p: p.concurrent)
     current = start
     headroom = (free0 - bounds.reserve_bytes) * bounds.headroom_fraction
+    top_single = max((p.prompt_tokens for p in singles), default=0)
+    fitted_yet = False  # `current` comes from this lane's probes, not only from the start policy
+    # The frontier probe (``frontier_probes``) while it waits its turn, and whether it went.
+    pending: Probe | None = None
+    frontier_started = frontier_sent = False
+    deferred = False  # the groups wait for the frontier (see below)
     seq = 0
     while singles or groups:
-        if groups and (
-            not singles
-            or _groups_due(run.observations, chunk)
-            # A policy that measured no join: the groups go first, where even their own small prefill
-            # sets a visible mark (a join would show on top of it).
-            or start.batch_join_bytes == 0
-            or (
-                start.batch_join_bytes is not None
-                and current.probe_peak(groups[0], chunk) <= min(current.probe_peak(p, chunk) for p in singles)
+        if singles and fitted_yet and not frontier_sent:
+            longest = max((o.probe.prompt_tokens for o in _single_usable(run.observations)), default=0)
+            far = frontier_probes(
+                current, chunk, longest, top_single, headroom / _caution(run.observations, current, chunk)
+            )
+            if frontier_started:
+                # Re-sized under the fit as it is now, until it is sent: the probe sent closest to the
+                # headroom is sized by every shorter probe's measurement, not by the first few.
+                if pending is not None:
+                    singles.remove(pending)
+                    pending = None
+                if far and far[0] not in singles:
+                    pending = far[0]
+                    singles.append(pending)
+            elif far and (
+                min(current.probe_peak(p, chunk) for p in singles) > headroom
+                or (groups and _groups_due(run.observations, chunk))
+            ):
+                frontier_started = True
+                known = {p.prompt_tokens for p in singles} | {o.probe.prompt_tokens for o in run.observations}
+                singles.extend(p for p in far[1:] if p.prompt_tokens not in known)
+                if far[0] not in singles:
+                    pending = far[0]
+                    singles.append(pending)
+                # A lane whose longest prompts are limited by the transient headroom (not the context),
+                # with a join the start policy measured above the longest probe it may send: the groups
+                # go after the frontier. Early, their mark would hide every longer single probe; late,
+                # the join is still measured exactly if it is above the frontier's peak, and bounded by
+                # that peak (the conservative side) if the start policy's join was wrong.
+                deferred = bool(
+                    groups
+                    and start.batch_join_bytes
+                    and far[0].prompt_tokens < top_single
+                    and current.probe_peak(groups[0], chunk) > current.probe_peak(far[0], chunk)
+                )
+        if deferred and not any(current.probe_peak(p, chunk) <= headroom for p in singles):
+            deferred = False
+        if (
+            groups
+            and not deferred
+            and (
+                not singles
+                or _groups_due(run.observations, chunk)
+                # A policy that measured no join: the groups go first, where even their own small prefill
+                # sets a visible mark (a join would show on top of it).
+                or start.batch_join_bytes == 0
+                or (
+                    start.batch_join_bytes is not None
+                    and current.probe_peak(groups[0], chunk)
+                    <= min(current.probe_peak(p, chunk) for p in singles)
+                )
             )
         ):
             probe = groups.pop(0)
@@ -348,6 +433,8 @@ async def run_probes(
             singles = order_probes(singles, lambda p, c=current: c.probe_peak(p, chunk))
             probe = singles.pop(0)
             predicted = current.probe_peak(probe, chunk)
+            if probe == pending:
+                pending, frontier_sent = None, True
             if mark_single_tokens == 0 and mark > 0 and predicted < mark * 0.95:
                 run.skipped.append((probe, f"predicted below the {mark / MiB:,.0f} MiB mark a group set"))
                 continue
@@ -386,6 +473,7 @@ async def run_probes(
             break
         fitted = try_fit(run.observations, chunk)
         if fitted is not None:
+            fitted_yet = True
             current = replace(
                 fitted,
                 batch_join_bytes=start.batch_join_bytes,

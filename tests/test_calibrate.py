@@ -20,6 +20,7 @@ from sidecar.calibrate import (
     Fit,
     ProbeRun,
     fit,
+    frontier_probes,
     plan_probes,
     proposal_text,
     run_probes,
@@ -93,6 +94,64 @@ def test_probes_never_exceed_the_headroom_and_say_what_they_skipped() -> None:
     sent = max(o.probe.prompt_tokens for o in run.observations)
     assert true_coefficients(profile).prefill_step([(8192, sent)]) < profile.idle_free_bytes
     assert run.skipped and all(why for _, why in run.skipped)
+
+
+def test_the_outage_lane_is_probed_up_to_its_longest_admissible_prompts() -> None:
+    """From the shipped policy (its join measured): the single probes reach the longest prompt predicted
+    within 90 % of the headroom (245,760 tokens, 86 % of the 284,359 the lane serves alone) instead of
+    stopping at 31,744 under the join's mark; the groups go after them and still measure the join."""
+    profile = PROFILES["maxq-old"]
+    text = (ROOT / POLICY["maxq-old"]).read_text()
+    proposed, run, result = calibrate_on_model(profile, text)
+    assert proposed is not None and isinstance(result, Fit) and run.stopped is None
+    truth = true_coefficients(profile)
+    headroom = (profile.idle_free_bytes - load_policy_text(text).policy.vram.reserve_bytes) * 0.9
+    assert result.largest_prompt_tokens == 245_760
+    assert truth.prefill_step([(8192, 245_760)]) <= headroom < truth.prefill_step([(8192, 245_760 + 8192)])
+    assert load_policy_text(proposed).policy.cost.calibrated_up_to_prompt_tokens == 245_760
+    assert result.coefficients.batch_join_bytes == pytest.approx(1248 * MiB, rel=0.001)
+    groups = [i for i, o in enumerate(run.observations) if o.probe.concurrent > 1]
+    singles = [i for i, o in enumerate(run.observations) if o.probe.concurrent == 1]
+    assert min(groups) > max(singles)  # after the frontier: an early join mark would hide it
+    assert all("safe headroom" in why for _, why in run.skipped)
+
+
+def test_frontier_is_the_longest_whole_chunk_prompt_within_the_limit() -> None:
+    c = true_coefficients(PROFILES["maxq-old"])
+    limit = 1_000 * MiB
+    far, half = frontier_probes(c, 8192, 32_768, 516_096, limit)
+    assert far.prompt_tokens % 8192 == 0 and half.prompt_tokens % 8192 == 0
+    assert (
+        c.prefill_step([(8192, far.prompt_tokens)])
+        <= limit
+        < c.prefill_step([(8192, far.prompt_tokens + 8192)])
+    )
+    assert 32_768 < half.prompt_tokens < far.prompt_tokens
+    assert frontier_probes(c, 8192, far.prompt_tokens, 516_096, limit) == []  # nothing longer to measure
+    assert frontier_probes(c, 8192, 0, 16_384, 10 * limit)[0].prompt_tokens == 16_384  # the plan's top
+
+
+@pytest.mark.parametrize("noise", [0.05, 0.10])
+def test_a_noisy_lane_is_probed_less_far_and_survives(noise: float) -> None:
+    """The frontier is sized within the headroom divided by what the shorter probes ran over the fit
+    (1 + 3 sigma of the ratios at least), so a noisy lane's longest probe leaves room for its noise."""
+    for seed in range(4):
+        profile = perturbed(PROFILES["maxq-old"], noise=noise)
+        lane = ModelLane(EngineModel(profile, seed))
+        policy = load_policy_file(ROOT / POLICY["maxq-old"]).policy
+        probes = plan_probes(profile.chunked_prefill_size, profile.context_length)
+        run = asyncio.run(
+            run_probes(
+                lane,
+                lane,
+                probes,
+                Coefficients.of(policy.cost),
+                Bounds(reserve_bytes=policy.vram.reserve_bytes),
+            )
+        )
+        assert not lane.model.crashes and run.stopped is None
+        longest = max(o.probe.prompt_tokens for o in run.observations if o.probe.concurrent == 1)
+        assert 180_000 < longest < 245_760
 
 
 def test_censored_probes_are_reported_and_a_warm_cache_proposes_nothing() -> None:

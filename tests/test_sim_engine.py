@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.sim.device import ModeledDevice
 from sidecar.sim.engine import MAMBA_CRASH, EngineModel
 from sidecar.sim.events import (
     Crashed,
@@ -106,6 +107,53 @@ def test_same_seed_same_events_and_noise_depends_on_seed() -> None:
     crash_a = next(e for e in first if isinstance(e, Crashed))
     crash_b = next(e for e in _trace(8) if isinstance(e, Crashed))
     assert (crash_a.t, crash_a.requested_bytes) != (crash_b.t, crash_b.requested_bytes)
+
+
+class _Recording(ModeledDevice):
+    """The modeled device, keeping every allocation the engine asks of it, in order."""
+
+    def __init__(self, profile: LaneProfile) -> None:
+        super().__init__(profile)
+        self.asked: list[int] = []
+
+    def allocate(self, nbytes: int) -> None:
+        self.asked.append(nbytes)
+        super().allocate(nbytes)
+
+
+def _allocations(noise: float, seed: int) -> list[int]:
+    """What a lone cold 200K prefill and a joining pair allocate on the bounded lane, in order."""
+    profile = MAXQ_BOUNDED.replace(transient_noise=noise)
+    device = _Recording(profile)
+    model = EngineModel(profile, seed, device=device)
+    model.submit("long", 200_000, max_new_tokens=2, now=0.0)
+    drain(model)
+    model.submit("a", 20_000, max_new_tokens=64, now=model.now)
+    model.submit("b", 20_000, max_new_tokens=64, now=model.now)
+    drain(model)
+    assert not model.crashes
+    return device.asked
+
+
+@pytest.mark.parametrize("noise", [0.05, 0.10])
+def test_noise_is_a_bounded_uniform_factor_on_every_piece(noise: float) -> None:
+    exact = _allocations(0.0, 0)
+    assert len(exact) > 60 and any(n == MAXQ_BOUNDED.unknown_extra_bytes for n in exact)  # the join too
+    ratios = []
+    for seed in range(5):
+        noisy = _allocations(noise, seed)
+        assert len(noisy) == len(exact)  # same steps, same pieces: only the sizes vary
+        ratios += [n / e for n, e in zip(noisy, exact, strict=True)]
+    # Every piece within [1 - noise, 1 + noise] of its noise-free size (rounding: one byte) ...
+    assert all(1 - noise - 1e-6 <= r <= 1 + noise + 1e-6 for r in ratios)
+    # ... and spread over the whole range, not a gaussian's narrow middle (sigma = noise would put 32 %
+    # of draws outside it, sigma = noise / 3 almost none near its ends).
+    assert min(ratios) < 1 - 0.9 * noise and max(ratios) > 1 + 0.9 * noise
+    tenth = noise / 5
+    bins = [
+        sum(1 for r in ratios if 1 - noise + i * tenth <= r < 1 - noise + (i + 1) * tenth) for i in range(10)
+    ]
+    assert min(bins) > len(ratios) / 10 * 0.5, bins  # roughly flat
 
 
 # ------------------------------------------------------------------------------------ the outage

@@ -8,8 +8,8 @@ does.
 
 Clock-free: the caller passes the engine time ``now`` to every call and pulls events with
 ``advance(now)``; ``next_event_time()`` tells a virtual-time driver how far it may jump. Nothing here
-reads a clock, sleeps or does I/O, and the only randomness is the seeded transient noise, so the same
-calls give the same events.
+reads a clock, sleeps or does I/O, and the only randomness is the seeded transient noise (a bounded
+uniform factor per allocation, ``_noisy``), so the same calls give the same events.
 
 Scheduler (after SGLang 0.5.x, simplified):
 
@@ -861,10 +861,17 @@ class EngineModel:
         self._dirty.clear()
 
     def _noisy(self, nbytes: int) -> int:
-        sigma = self.profile.transient_noise
-        if nbytes <= 0 or sigma <= 0:
+        """``nbytes`` times a seeded factor drawn uniformly from ``[1 - noise, 1 + noise]``.
+
+        Bounded on purpose: a real allocation's size varies within a range (kernel workspaces,
+        allocator rounding), it has no unbounded tail. A gaussian factor has one, and with it no gate
+        that keeps a finite margin can be crash-free over enough draws; only one that sees the draw
+        (the oracle) could. A gate whose margin covers ``1 + noise`` survives every draw here.
+        """
+        noise = self.profile.transient_noise
+        if nbytes <= 0 or noise <= 0:
             return max(0, nbytes)
-        return max(0, round(nbytes * (1.0 + self._rng.gauss(0.0, sigma))))
+        return max(0, round(nbytes * (1.0 + self._rng.uniform(-noise, noise))))
 
     def _pending_prefill_tokens(self) -> int:
         pending = sum(r.target - self._match(r)[0] for r in self._waiting)

@@ -18,7 +18,8 @@ Transient model (per prefill step, allocated in this order, freed when the step 
 
 ``context_tokens`` is the whole context at the end of the chunk, *including* a radix-cached prefix: a
 request that hits a 280K-token cached history pays the full-context temporaries on its first chunk.
-Each piece may carry seeded relative noise. ``unknown_extra_bytes`` is one more allocation that no cost
+Each piece may carry seeded relative noise: a factor uniform in ``[1 - transient_noise, 1 + transient_noise]``
+(bounded, as a real allocation's variation is). ``unknown_extra_bytes`` is one more allocation that no cost
 model knows about: it is taken for one decode step whenever the running batch grows to at least
 ``unknown_extra_min_running`` requests (SGLang merges the new prefill batch into the running batch
 there). It reproduces the paired-250K cell: +1,248 MiB over idle on both builds, while the gather fix
@@ -112,6 +113,7 @@ class LaneProfile:
     context_bytes_per_token: int = 0
     gather_bytes_per_token: int = 0
     gather_cap_bytes: int | None = None
+    # Relative noise on every transient piece and the batch join: a seeded factor uniform in [1-n, 1+n].
     transient_noise: float = 0.0
     unknown_extra_bytes: int = 0
     unknown_extra_min_running: int = 2
