@@ -28,10 +28,10 @@ from typing import Protocol
 
 from sidecar.clock import Clock, Timer
 from sidecar.core.decide import Situation, decide, retry_after_s
-from sidecar.core.decision import Action, Check, Decision, Reason
+from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand, reprice
 from sidecar.core.ledger import Ledger, LedgerTotals
-from sidecar.core.overrun import Overrun, Prefill, PrefillProgress, in_flight_bytes, overruns
+from sidecar.core.overrun import Overrun, Prefill, PrefillProgress, in_flight_bytes, overruns, rejection
 from sidecar.core.prefill_rate import PrefillRate
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot
@@ -281,11 +281,18 @@ class Admission:
         now = self.clock.now()
         e = snap.engine
         if e is not None:
+            at = e.observed_at if e.prefill_counted_at is None else e.prefill_counted_at
             self.progress.observe(
-                e.prefill_computed_tokens, e.prefill_cached_tokens, e.observed_at, idle=not self._prefilling
+                e.prefill_computed_tokens, e.prefill_cached_tokens, at, idle=not self._prefilling
             )
-        in_flight = in_flight_bytes(self.in_flight(now), self.watch.priced)
-        if self.watch.observe(snap, self.ledger.totals, self.rules, now, in_flight):
+        # Progress as of now: any GPU reading in hand was read before now, so what the engine can have
+        # computed since its counters were requested covers it. Counters too old for that, and the
+        # comparison waits for the next engine report (a caching allocator's reading keeps its peak).
+        prefills = self.in_flight(now)
+        in_flight = in_flight_bytes(prefills, self.watch.priced)
+        chunk = max((p.demand.chunk_size for p in prefills), default=0)
+        defer = in_flight is not None and self.progress.too_old(now, self._allowance_rate(), chunk)
+        if self.watch.observe(snap, self.ledger.totals, self.rules, now, in_flight, defer):
             self._apply_rules()
         self._guard()
         self.pump()
@@ -305,11 +312,15 @@ class Admission:
         ``now`` is advanced by what the lane could have computed since, at twice the faster of its
         measured and its policy's prefill rate: progress is never under-counted (the safe side for the
         monitor, which compares a reading with the transient at that progress)."""
-        rate = 0.0
-        if now is not None:
-            rate = 2.0 * max(self.prefill_rate.tokens_per_s or 0.0, self.rules.hold.prefill_tokens_per_s)
+        rate = 0.0 if now is None else self._allowance_rate()
         entries = [(k, h.demand) for k, h in self._prefilling.items() if h.demand is not None]
         return self.progress.prefills(entries, now, rate)
+
+    def _allowance_rate(self) -> float:
+        """Tokens per second the lane may compute between a counter's report and a later reading: twice
+        the faster of its measured and its policy's prefill rate (the counter's own rate is added by
+        ``PrefillProgress``)."""
+        return 2.0 * max(self.prefill_rate.tokens_per_s or 0.0, self.rules.hold.prefill_tokens_per_s)
 
     def guard_state(self) -> dict[str, object]:
         """For /admission/state: the in-flight guard's counts and its latest abort."""
@@ -321,16 +332,7 @@ class Admission:
             "prefilling": len(self._prefilling),
             "aborted": self.overruns,
             "aborted_unfit": self.overruns_unfit,
-            "last": None
-            if last is None
-            else {
-                "request_id": last[1].request_id,
-                "projected_bytes": last[1].projected_bytes,
-                "room_bytes": last[1].room_bytes,
-                "retry": last[1].fits_idle,
-                "why": last[1].why,
-                "age_s": round(now - last[0], 3),
-            },
+            "last": None if last is None else last[1].fields() | {"age_s": round(now - last[0], 3)},
         }
 
     def _apply_rules(self) -> None:
@@ -492,7 +494,7 @@ class Admission:
         if h._held:
             self._leave_queue(h)  # the client left while held: no decision, the next one may go
         if h._key is not None:
-            self._left_prefill(h._key, completed=False)
+            self._left_prefill(h._key)
             self.ledger.release(h._key)
             self.watch.ended(h._key, self.clock.now())
             h._key = None
@@ -502,7 +504,7 @@ class Admission:
 
     def _prefill_done(self, h: Handle, measured: bool) -> None:
         if h._key is not None:
-            self._left_prefill(h._key, completed=True)
+            self._left_prefill(h._key)
         if h._key is not None and self.ledger.prefill_done(h._key):
             if measured and h.decision is not None:
                 self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())
@@ -510,24 +512,18 @@ class Admission:
 
     # -- the in-flight prefill guard (core/overrun.py) -------------------------------------------------
 
-    def _left_prefill(self, key: int, completed: bool) -> None:
-        """A prefill ended (its first byte: completed; or the request ended before it): its share of
-        the counter is done work, and what it took at the point it reached may show in the next reading
-        (a caching allocator keeps it)."""
+    def _left_prefill(self, key: int) -> None:
+        """A prefill ended (its first byte, or the request ended before it): its share of the counter
+        is done work, and what it took may show in the next reading (a caching allocator keeps it):
+        the monitor expects up to its final peak, as priced at its admission."""
         if key not in self._prefilling:
             return
-        before = self.in_flight(self.clock.now())
-        keys = [p.key for p in before]
-        index = keys.index(key)
-        self.progress.left([p.demand.uncached_tokens for p in before], index)
+        before = self.in_flight()
+        self.progress.left([p.demand.uncached_tokens for p in before], [p.key for p in before].index(key))
         h = self._prefilling.pop(key)
-        if self.progress.counter is None or h.demand is None:
-            return
-        gone = before[index]
-        # Completed: its last chunk, as priced when it was admitted.
-        reached = gone.demand.projected_bytes if completed else in_flight_bytes([gone], self.watch.priced)
-        rest = in_flight_bytes(self.in_flight(self.clock.now()), self.watch.priced)
-        self.watch.expect((reached or 0) + (rest or 0))
+        if self.progress.counter is not None and h.demand is not None:
+            rest = in_flight_bytes(self.in_flight(self.clock.now()), self.watch.priced) or 0
+            self.watch.expect(h.demand.projected_bytes + rest)
 
     def _guard(self) -> None:
         """Abort the admitted prefills that no longer fit under the rules now in force (the rule is
@@ -549,33 +545,12 @@ class Admission:
 
     def _overrun(self, h: Handle, o: Overrun) -> None:
         assert h.demand is not None and h.decision is not None
-        now = self.clock.now()
-        reason = Reason.PREFILL_OVERRUN
         # Its own prefill tokens are still in the ledger: the work ahead of a retry includes them once.
-        retry = retry_after_s(self.situation(), reason) if o.fits_idle else None
-        check = Check(
-            reason.value, False, o.projected_bytes, o.room_bytes, o.why, "" if o.fits_idle else "transient"
-        )
-        h.decision = Decision(
-            Action.REJECT, reason, retry, o.room_bytes, (*h.decision.checks, check), h.decision.charge
-        )
+        h.decision = rejection(o, h.decision, retry_after_s(self.situation(), Reason.PREFILL_OVERRUN))
         self.overruns += 1
         self.overruns_unfit += not o.fits_idle
-        self.last_overrun = (now, o)
-        log.warning(
-            "prefill overrun: aborting %s before its peak: %s",
-            o.request_id,
-            o.why,
-            extra={
-                "fields": {
-                    "event": "prefill_overrun",
-                    "request_id": o.request_id,
-                    "projected_bytes": o.projected_bytes,
-                    "room_bytes": o.room_bytes,
-                    "retry_after_s": retry,
-                }
-            },
-        )
+        self.last_overrun = (self.clock.now(), o)
+        # The decision log (and the process log's warning) record it with the numbers (observe.py).
         self.observer.decision(h.decision, h.demand, h.waited_s, self.ledger.totals)
         self._end(h, Outcome.PREFILL_OVERRUN)
         if h._on_overrun is not None:

@@ -198,16 +198,24 @@ class LaneWatch:
             self._last_activity = now
 
     def observe(
-        self, snap: Snapshot, totals: LedgerTotals, rules: Rules, now: float, in_flight: int | None = None
+        self,
+        snap: Snapshot,
+        totals: LedgerTotals,
+        rules: Rules,
+        now: float,
+        in_flight: int | None = None,
+        defer: bool = False,
     ) -> bool:
         """A new snapshot; True when the rules it builds (``effective``) change.
 
         ``in_flight``: what the in-flight prefills allocate at the progress they have reached
         (``core/overrun.in_flight_bytes``), None when their progress is unknown: a reading is then
-        compared with their final peaks, so a long prefill that runs over is seen only near its end."""
+        compared with their final peaks, so a long prefill that runs over is seen only near its end.
+        ``defer``: their progress is too old for this GPU reading (``PrefillProgress.too_old``); it is
+        compared at the next snapshot, with the next engine report."""
         changed = self._measure_idle(snap, rules, now)
         g = snap.gpu
-        if g is not None and g is not self._last_gpu and g.free_bytes is not None:
+        if g is not None and g is not self._last_gpu and g.free_bytes is not None and not defer:
             self._last_gpu = g
             changed = self._check(snap, g, g.free_bytes, totals, rules.cost, now, in_flight) or changed
         return changed

@@ -217,8 +217,15 @@ class Telemetry:
             self._hold.observe(waited_s)
         elif d.reason is Reason.PREFILL_OVERRUN:
             # The in-flight guard aborted an admitted request (it was counted as an admit, and its
-            # outcome is `prefill_overrun`); only the decision log records this second verdict.
-            pass
+            # outcome is `prefill_overrun`): the decision log records this second verdict, and an
+            # operator should hear of it (the lane ran out of room under a request it had admitted).
+            check = d.checks[-1] if d.checks else None
+            log.warning(
+                "prefill overrun: %s stopped before its peak: %s",
+                cost.request_id,
+                check.note if check else "",
+                extra={"fields": {"event": "prefill_overrun", "request_id": cost.request_id}},
+            )
         else:
             self._rejects[d.reason or Reason.UNFIT_REQUEST].inc()
             self._hold.observe(waited_s)

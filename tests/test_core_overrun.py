@@ -13,9 +13,9 @@ import pytest
 from sidecar.admission import Admission, Outcome
 from sidecar.core import demand
 from sidecar.core.cost import project_at_progress
-from sidecar.core.decision import Action, Reason
+from sidecar.core.decision import Action, Charge, Check, Decision, Reason
 from sidecar.core.demand import Demand
-from sidecar.core.overrun import Prefill, PrefillProgress, in_flight_bytes, overruns
+from sidecar.core.overrun import Overrun, Prefill, PrefillProgress, in_flight_bytes, overruns, rejection
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, Snapshot
 from sidecar.intake import rules_of
@@ -286,6 +286,9 @@ def test_started_sets_the_base_at_the_counter_the_first_prefill_was_admitted_on(
     p.observe(3_000, 0, 1.0, idle=False)
     p.started()
     assert p.done([5_000]) == [(0, 0, 0)]
+    p.observe(3_500, 80, 2.0, idle=False)
+    p.started()  # hits before it are older work too
+    assert p.done([5_000]) == [(0, 0, 0)]
 
 
 def test_a_counter_older_than_the_reading_is_advanced_by_the_rate_and_a_chunk() -> None:
@@ -434,3 +437,103 @@ def test_progress_follows_the_counter_and_leaves_with_each_prefill(
     assert [(p.key, p.done_tokens) for p in a.in_flight()] == [(h2._key, 0)]
     a.update_snapshot(snapshot(clock.t, prefill_computed_tokens=5_600 if completed else 2_600))
     assert [p.done_tokens for p in a.in_flight()] == [500]
+
+
+def test_a_counter_too_old_for_a_reading_defers_the_comparison() -> None:
+    p = PrefillProgress()
+    assert not p.too_old(100.0, 10_000, 1_000)  # no counter: nothing to defer
+    p.observe(0, 0, 10.0, idle=True)
+    p.observe(1_000, 0, 10.5, idle=False)  # the counter's own rate: 2,000 tokens/s, twice: 4,000
+    assert not p.too_old(10.75, 0, 1_000)  # 0.25 s x 4,000 = exactly a chunk
+    assert p.too_old(10.76, 0, 1_000)
+    assert p.too_old(10.6, 20_000, 1_000)  # the caller's rate when larger: 0.1 s x 20,000
+    assert not p.too_old(10.6, 20_000, 3_000)
+    assert not p.too_old(10.0, 20_000, 1_000)  # a reading older than the counter
+
+
+def test_an_aborted_request_ends_with_its_admission_s_checks_and_the_guard_s() -> None:
+    admitted = Decision(
+        Action.ADMIT, None, None, 9, (Check("vram_headroom", True, 1, 9),), Charge(prefill_tokens=5)
+    )
+    fits = Overrun(3, "r3", 7_000, 6_000, True, "over")
+    d = rejection(fits, admitted, 12)
+    assert (d.action, d.reason, d.retry_after_s, d.headroom_bytes) == (
+        Action.REJECT,
+        Reason.PREFILL_OVERRUN,
+        12,
+        6_000,
+    )
+    assert d.charge == admitted.charge
+    assert d.checks == (admitted.checks[0], Check("prefill_overrun", False, 7_000, 6_000, "over", ""))
+    never = rejection(replace(fits, fits_idle=False), admitted, 12)
+    assert never.retry_after_s is None and never.checks[-1].limit == "transient"
+    assert fits.fields() == {
+        "request_id": "r3",
+        "projected_bytes": 7_000,
+        "room_bytes": 6_000,
+        "retry": True,
+        "why": "over",
+    }
+
+
+def test_the_state_says_what_the_guard_did(clock: ManualClock) -> None:
+    a = Admission(policy(), clock)
+    a.update_snapshot(snapshot(clock.t))
+    assert a.guard_state() == {
+        "enabled": True,
+        "progress": "unknown (final peaks)",
+        "prefilling": 0,
+        "aborted": 0,
+        "aborted_unfit": 0,
+        "last": None,
+    }
+    hs = admitted(a, [5_000, 5_000, 5_000])
+    a.reload(policy(cost__margin=1.2))
+    clock.advance(2.5)
+    state = a.guard_state()
+    assert state["last"] == {
+        "request_id": "r3",
+        "projected_bytes": 7_200 * KIB,
+        "room_bytes": 20_000 * KIB,
+        "retry": True,
+        "why": state["last"]["why"],
+        "age_s": 2.5,
+    }
+    assert state["prefilling"] == 2 and state["aborted"] == 1 and hs[2].outcome is Outcome.PREFILL_OVERRUN
+
+
+def test_the_join_of_every_admitted_request_is_checked(clock: ManualClock) -> None:
+    p = policy(cost__batch_join_bytes=10_000 * KIB, cost__batch_join_bytes_per_running_request=2_000 * KIB)
+    a = Admission(p, clock)
+    a.update_snapshot(snapshot(clock.t))
+    hs = admitted(a, [1_000, 1_000, 1_000, 1_000, 1_000])  # a batch of 5: 20,000 KiB to join
+    hs[0].prefill_done()
+    hs[1].prefill_done()  # decoding: they joined already
+    a.update_snapshot(with_other(snapshot(clock.t), 1_001))  # 1 KiB less room: one fewer may join
+    assert [h.outcome for h in hs] == [None, None, None, None, Outcome.PREFILL_OVERRUN]
+
+
+def test_the_allowance_is_twice_the_faster_of_the_measured_and_the_policy_rate(clock: ManualClock) -> None:
+    a = Admission(policy(), clock)  # hold.prefill_tokens_per_s: 1,000
+    a.update_snapshot(snapshot(clock.t, prefill_computed_tokens=0, prefill_cached_tokens=0))
+    admitted(a, [9_000])
+    a.update_snapshot(snapshot(clock.t, prefill_computed_tokens=1_000, prefill_cached_tokens=0))
+    # Counted 1,000; 0.5 s later: 2 x 1,000 tokens/s x 0.5 s, plus a chunk of 1,000.
+    (p,) = a.in_flight(clock.t + 0.5)
+    assert p.done_tokens == 1_000 + 1_000 + 1_000 and p.started
+
+
+def test_a_prefill_that_ended_between_two_readings_is_no_finding(clock: ManualClock) -> None:
+    """Its last chunk (the peak) shows in the next reading although it is no longer in flight."""
+    a = Admission(policy(monitor__min_bytes=0), clock)  # a KiB-sized lane: no rounding slack
+    idle = 20_000 * KIB
+    a.update_snapshot(snapshot(clock.t, free_bytes=idle, prefill_computed_tokens=0, prefill_cached_tokens=0))
+    (h,) = admitted(a, [9_000])
+    a.update_snapshot(snapshot(clock.t, free_bytes=idle - 2_000 * KIB, prefill_computed_tokens=1_000))
+    h.prefill_done()
+    # The allocator still holds the last chunk's 10,000 KiB: as priced at admission.
+    a.update_snapshot(snapshot(clock.t, free_bytes=idle - 10_000 * KIB, prefill_computed_tokens=9_000))
+    assert a.watch.underestimates == 0
+    # More than that is one.
+    a.update_snapshot(snapshot(clock.t, free_bytes=idle - 10_300 * KIB, prefill_computed_tokens=9_000))
+    assert a.watch.underestimates == 1

@@ -405,7 +405,9 @@ async def test_poll_once_merges_the_three_endpoints(respx_mock, client) -> None:
     metrics, _, _ = mock_engine(respx_mock)
     signals = await scraper(client).poll_once()
     assert signals == EngineSignals(
-        observed_at=1001.0,
+        observed_at=1002.0,
+        # The counters are dated by the request for the page, before the poll ended.
+        prefill_counted_at=1001.0,
         **BUSY_HYBRID,  # type: ignore[arg-type]
         pending_prefill_tokens=738389,
         chunked_prefill_size=8192,

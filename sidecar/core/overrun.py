@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from sidecar.core.cost import project_at_progress
 from sidecar.core.decide import headroom_bytes
+from sidecar.core.decision import Action, Check, Decision, Reason
 from sidecar.core.demand import Demand, reprice
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import CostModel, Rules
@@ -79,6 +80,32 @@ class Overrun:
     # False: larger than the lane can ever run under these rules (no Retry-After).
     fits_idle: bool
     why: str
+
+    def fields(self) -> dict[str, object]:
+        """For ``/admission/state`` and the log."""
+        return {
+            "request_id": self.request_id,
+            "projected_bytes": self.projected_bytes,
+            "room_bytes": self.room_bytes,
+            "retry": self.fits_idle,
+            "why": self.why,
+        }
+
+
+def rejection(o: Overrun, admitted: Decision, retry_after_s: int | None) -> Decision:
+    """The verdict an aborted request ends with: its admission's checks and charge, then the guard's
+    check (``limit="transient"`` when it can never fit: answered as an unfit request)."""
+    check = Check(
+        Reason.PREFILL_OVERRUN.value,
+        False,
+        o.projected_bytes,
+        o.room_bytes,
+        o.why,
+        "" if o.fits_idle else "transient",
+    )
+    retry = retry_after_s if o.fits_idle else None
+    checks = (*admitted.checks, check)
+    return Decision(Action.REJECT, Reason.PREFILL_OVERRUN, retry, o.room_bytes, checks, admitted.charge)
 
 
 def overruns(
@@ -198,6 +225,16 @@ class PrefillProgress:
         """The first prefill of an idle ledger was admitted: what the counters show now is older work."""
         if self.counter is not None:
             self.base, self.base_cached = self.counter, self.cached or 0
+
+    def too_old(self, at: float, allowance_rate: float, chunk: int) -> bool:
+        """Whether the counter is older than a reading taken at ``at`` by more than the lane takes to
+        compute a chunk (at the allowance's rate): the engine may have run several batches since, and
+        an allowance for them would blunt the comparison. The monitor waits for the next report then
+        (a caching allocator's reading keeps its peak: nothing is lost by waiting)."""
+        if self.counter is None or self.counter_at is None:
+            return False
+        rate = max(allowance_rate, 2.0 * self.rate)
+        return (at - self.counter_at) * rate > chunk
 
     def done(
         self, uncached: Sequence[int], now: float | None = None, allowance_rate: float = 0.0, chunk: int = 0

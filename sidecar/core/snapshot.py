@@ -45,6 +45,9 @@ class EngineSignals:
     prefill_computed_tokens: int | None = None
     # ... and those it took from its prefix cache (`mode="prefill_cache"`): bounds a prefill's hit.
     prefill_cached_tokens: int | None = None
+    # When the request that read those counters was sent (``observed_at`` is when the poll ended): they
+    # are no older than this, and a reading taken since may show batches they do not count.
+    prefill_counted_at: float | None = None
     # Lane constants, from /server_info or /v1/loads.
     chunked_prefill_size: int | None = None
     max_running_requests: int | None = None

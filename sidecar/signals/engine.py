@@ -44,7 +44,11 @@ log = logging.getLogger(__name__)
 METRICS_ACCEPT = "text/plain; version=0.0.4"
 DEFAULT_MAX_METRICS_BYTES = 8 * 1024 * 1024  # the policy's engine.max_metrics_bytes default
 
-_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineSignals)) - {"observed_at", "sources"}
+_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineSignals)) - {
+    "observed_at",
+    "sources",
+    "prefill_counted_at",
+}
 
 
 class EngineUnavailable(Exception):
@@ -702,6 +706,8 @@ class EngineScraper:
 
     async def poll_once(self) -> EngineSignals:
         """Read the engine once. Raises `EngineUnavailable` when /metrics cannot be read."""
+        # The page's counters are no older than the request for it (the poll's end can be much later).
+        requested_at = self._clock()
         try:
             reading = await self._read_metrics()
         except Exception:
@@ -742,7 +748,13 @@ class EngineScraper:
             for p in problems:
                 self.on_implausible(p.series)
             raise ImplausibleReading(problems)
-        return EngineSignals(observed_at=observed_at, sources=tuple(sources), **merged)  # type: ignore[arg-type]
+        counted_at = requested_at if "prefill_computed_tokens" in merged else None
+        return EngineSignals(
+            observed_at=observed_at,
+            sources=tuple(sources),
+            prefill_counted_at=counted_at,
+            **merged,  # type: ignore[arg-type]
+        )
 
     async def run(self, on_update: Callable[[EngineSignals | None, SourceHealth], None]) -> NoReturn:
         """Poll forever at ``interval_s``; report every attempt. Stop it by cancelling the task."""

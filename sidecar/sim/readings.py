@@ -45,6 +45,7 @@ def engine_signals(model: EngineModel, now: float) -> EngineSignals:
         # Counters are live in SGLang (grown per prefill batch), not published with the gauges.
         prefill_computed_tokens=model.counters.prefill_compute_tokens,
         prefill_cached_tokens=model.counters.prefill_cache_tokens,
+        prefill_counted_at=now,
     )
     return EngineSignals(
         observed_at=now,
