@@ -15,7 +15,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -117,12 +117,17 @@ class SidecarApp:
 
     # -- ASGI -------------------------------------------------------------------------------------
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The data port (and the lifespan: pollers start and stop with it)."""
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The data port (and the lifespan: pollers start and stop with it).
+
+        Not a coroutine: it returns the handler's own awaitable, so a request's task is not one frame
+        deeper for it (a stream resumes its whole chain of frames for every chunk; issue #12). Served
+        as ASGI 3 explicitly (uvicorn cannot tell from a plain method)."""
         if scope["type"] == "http":
-            await self.access(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            return self.access(scope, receive, send)
+        if scope["type"] == "lifespan":
+            return self._lifespan(receive, send)
+        return _nothing()
 
     async def admin_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The admin port. Serve it with ``lifespan="off"``: the data app's lifespan runs the pollers."""
@@ -131,36 +136,33 @@ class SidecarApp:
         elif scope["type"] == "lifespan":
             await _no_lifespan(receive, send)
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _http(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """Route one request: the chosen handler's awaitable (no frame of its own, as ``__call__``)."""
         if self.host_check is not None and (refusal := self.host_check.refusal(scope["headers"])):
-            await send_response(send, refusal)
-            return
+            return send_response(send, refusal)
         path = scope["path"]
         if not path.startswith("/"):
             # `OPTIONS *` (or an absolute-form target): not a path any route serves.
-            await send_response(send, _not_a_path(scope))
-            return
+            return send_response(send, _not_a_path(scope))
         # Every variant the engine would route to a prefill route is gated (`/generate/`, `//generate`).
         route = self.routes.match(path, scope["method"])
         if route is not None:
-            await self.proxy(scope, receive, send, gated=True, route=route)
-        elif scope["method"] == "OPTIONS" and (route := self.routes.match(path, "POST")) is not None:
+            return self.proxy(scope, receive, send, gated=True, route=route)
+        if scope["method"] == "OPTIONS" and (route := self.routes.match(path, "POST")) is not None:
             # A CORS preflight: answered here, approving no origin. SGLang's own CORS allows every
             # origin, which would let any web page POST JSON to the lane through the sidecar.
-            await send_response(send, _no_cors(route.methods))
-        elif path in PROBE_PATHS:
-            await self.public(scope, receive, send)
-        elif path in ADMIN_PATHS:
+            return send_response(send, _no_cors(route.methods))
+        if path in PROBE_PATHS:
+            return self.public(scope, receive, send)
+        if path in ADMIN_PATHS:
             if not self.admin_on_data_port:
-                await send_response(send, _on_admin_port(path))
-                return
-            await _with_bounded_body(self.public, scope, receive, send)
-        elif scope["method"] == "GET" and normalize_path(path) == LOADS_PATH:
-            await self.loads(scope, receive, send)
-        elif normalize_path(path) in self.routes.refused:
-            await send_response(send, _refused(path))
-        else:
-            await self.proxy(scope, receive, send, gated=False)
+                return send_response(send, _on_admin_port(path))
+            return _with_bounded_body(self.public, scope, receive, send)
+        if scope["method"] == "GET" and normalize_path(path) == LOADS_PATH:
+            return self.loads(scope, receive, send)
+        if normalize_path(path) in self.routes.refused:
+            return send_response(send, _refused(path))
+        return self.proxy(scope, receive, send, gated=False)
 
     async def _admin_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.admin_host_check is not None and (refusal := self.admin_host_check.refusal(scope["headers"])):
@@ -435,6 +437,10 @@ async def _with_bounded_body(app: ASGIApp, scope: Scope, receive: Receive, send:
             return
         receive = bounded
     await app(scope, receive, send)
+
+
+async def _nothing() -> None:
+    """A scope type the data port does not serve (a websocket): nothing to do."""
 
 
 async def _no_lifespan(receive: Receive, send: Send) -> None:

@@ -359,6 +359,7 @@ def run_uvicorn(
         host=host,
         port=port,
         lifespan="on",
+        interface="asgi3",  # SidecarApp.__call__ returns its handler's awaitable: not auto-detected
         log_level=log_level,
         # Our log pipeline (sidecar.logs) carries uvicorn's lines: no handlers, no access log of its own.
         log_config=None,

@@ -741,3 +741,50 @@ async def test_connection_limit_answers_503(tmp_path: Path) -> None:
         assert raw.startswith(b"HTTP/1.1 503"), raw[:100]
         for _, w in idle:
             w.close()
+
+
+async def test_a_keep_alive_connection_arms_no_timer_per_request_and_still_times_out(tmp_path: Path) -> None:
+    """The header deadline and the body gap share one lazily armed timer per connection: 30 requests
+    on one keep-alive connection arm a handful of timers, not three per request (issue #12); and the
+    31st request, whose headers stall, still gets its 408 from that timer."""
+    from sidecar.serving import GuardedHttpToolsProtocol
+
+    async with lane(tmp_path, FakeEngine(), limits=SHORT) as (url, app, _):
+        loop = asyncio.get_running_loop()
+        armed: list[object] = []
+        real_at, real_later = loop.call_at, loop.call_later
+
+        def count(real):  # type: ignore[no-untyped-def]
+            def wrapper(when, callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+                # Ours only: uvicorn's own keep-alive timer (armed per response) is not this one.
+                if isinstance(getattr(callback, "__self__", None), GuardedHttpToolsProtocol) and getattr(
+                    callback, "__name__", ""
+                ) in ("_on_timer", "_header_deadline", "_body_gap"):
+                    armed.append(callback.__name__)
+                return real(when, callback, *args, **kwargs)
+
+            return wrapper
+
+        loop.call_at, loop.call_later = count(real_at), count(real_later)  # type: ignore[method-assign]
+        try:
+            r, w = await _open(url)
+            body = json.dumps(gen(stream=False)).encode()
+            request = (
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            for _ in range(30):
+                w.write(request)
+                await w.drain()
+                head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+                await asyncio.wait_for(r.readexactly(length), 10)
+            assert len(armed) <= 4, armed
+            w.write(b"POST /gener")
+            await w.drain()
+            assert (await _answer(r)).startswith(b"HTTP/1.1 408")
+            w.close()
+        finally:
+            loop.call_at, loop.call_later = real_at, real_later  # type: ignore[method-assign]
+        await settled(app, 30)
