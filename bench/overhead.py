@@ -52,6 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import debtools  # bench/ is not a package: imported from beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
+# The in-process decision microbenchmark imports the sidecar: from this checkout, installed or not
+# (the lent GPU machine runs a copy of the tree with no editable install).
+sys.path.insert(1, str(ROOT))
 CONCURRENCY = 64
 SSE_EVENTS = 100
 PACED_STREAMS = 64

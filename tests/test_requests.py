@@ -1118,3 +1118,31 @@ def test_the_text_scan_never_cuts_an_escape_a_utf8_sequence_or_a_surrogate_pair(
                     pad,
                     ensure_ascii,
                 )
+
+
+@pytest.mark.parametrize("digits", [18, 19, 25])
+@pytest.mark.parametrize("where", ["first", "middle", "last", "window-edge", "whole-window"])
+def test_the_id_scan_leaves_an_id_of_19_digits_or_more_to_the_full_parser(digits: int, where: str) -> None:
+    """An id that may not fit int64 is not counted in the raw body, wherever it sits: first, last,
+    inside a window, across a window's edge, or longer than a window; 18 digits are counted."""
+    ids = [b"123456789"] * (idscan.WINDOW // 5)
+    long = b"1" * (idscan.WINDOW + 7 if where == "whole-window" else digits)
+    if where == "first":
+        ids[0] = long
+    elif where == "last":
+        ids[-1] = long
+    elif where == "middle":
+        ids[len(ids) // 3] = long
+    else:
+        # The id whose digits run over the first window's end (the array's bytes start at `[` + 1).
+        at, pos = 0, 0
+        while pos + len(ids[at]) + 1 < idscan.WINDOW - digits // 2:
+            pos += len(ids[at]) + 1
+            at += 1
+        ids[at] = long
+    body = b'{"input_ids": [' + b",".join(ids) + b"]}"
+    got = find_ids(body)
+    if digits >= 19 or where == "whole-window":
+        assert got is None
+    else:
+        assert got is not None and got[2] == len(ids)
