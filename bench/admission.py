@@ -706,7 +706,7 @@ def why_short(name: str, gates: dict[str, dict[str, Any]]) -> list[str]:
         out.append(
             f"the policy admits prompts up to {mine:,} tokens, {mine / true:.1%} of the lane's true "
             f"single-request limit ({true:,}; margin {policy_for(name).policy.cost.margin:g}, reserve, a "
-            "full chunk of activations projected for the last chunk)"
+            "full last chunk projected: a shared prefill batch can shift the chunks, tests/test_cost_schedule.py)"
         )
     return out
 

@@ -105,11 +105,11 @@ def test_largest_admissible_prompt_is_where_the_gate_starts_saying_unfit(path: P
 
 def test_outage_policy_summary_in_sre_numbers() -> None:
     s = summarize(load_policy_file(OLD).policy)
-    assert (s.max_prompt_tokens, s.limited_by) == (261_858, "transient")
+    assert (s.max_prompt_tokens, s.limited_by) == (272_993, "transient")
     by = {lim.by: lim.max_prompt_tokens for lim in s.prompt_limits}
-    assert by == {"context": 524_287, "transient": 261_858, "kv_pool": 522_880, "mamba_slots": None}
+    assert by == {"context": 524_287, "transient": 272_993, "kv_pool": 522_880, "mamba_slots": None}
     fits = {p.prompt_tokens: p.fits for p in s.projections}
-    assert fits == {65_536: True, 131_072: True, 262_144: False, 500_000: False}
+    assert fits == {65_536: True, 131_072: True, 262_144: True, 500_000: False}
     assert set(s.on_stale) == {"engine", "gpu"} and "held, up to 600 s" in s.on_stale["engine"]
 
 
@@ -117,7 +117,7 @@ def test_check_policy_ends_with_what_the_policy_will_do() -> None:
     r = run("check-policy", str(OLD))
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "largest prompt it can ever admit: 261,858 tokens (set by transient)" in out
+    assert "largest prompt it can ever admit: 272,993 tokens (set by transient)" in out
     for tier in ("64K", "128K", "256K", "500K"):
         assert f"{tier} tokens:" in out
     assert "engine queue <= 2 requests" in out and "pending prefill <= 600,000 tokens" in out
