@@ -516,14 +516,28 @@ class Admission:
         """A prefill ended (its first byte, or the request ended before it): its share of the counter
         is done work, and what it took may show in the next reading (a caching allocator keeps it):
         the monitor expects up to its final peak, as priced at its admission."""
-        if key not in self._prefilling:
+        h = self._prefilling.pop(key, None)
+        if h is None or self.progress.counter is None:
+            # Without the engine's counter there is no progress to attribute and nothing to expect
+            # beyond the final peaks: O(1) per first byte (this runs for every gated request).
             return
-        before = self.in_flight()
-        self.progress.left([p.demand.uncached_tokens for p in before], [p.key for p in before].index(key))
-        h = self._prefilling.pop(key)
-        if self.progress.counter is not None and h.demand is not None:
+        # Its share is what the counter grew by beyond the prefills admitted before it (first come
+        # first served): only those ahead of it are read, usually none (the oldest leaves first).
+        ahead = [other.demand.uncached_tokens for other in self._ahead_of_prefill(key)]
+        if h.demand is not None:
+            self.progress.left([*ahead, h.demand.uncached_tokens], len(ahead))
             rest = in_flight_bytes(self.in_flight(self.clock.now()), self.watch.priced) or 0
             self.watch.expect(h.demand.projected_bytes + rest)
+
+    def _ahead_of_prefill(self, key: int) -> list[Handle]:
+        """The in-flight prefills admitted before ``key`` (ledger keys grow with admission order)."""
+        out = []
+        for k, other in self._prefilling.items():
+            if k > key:
+                break
+            if other.demand is not None:
+                out.append(other)
+        return out
 
     def _guard(self) -> None:
         """Abort the admitted prefills that no longer fit under the rules now in force (the rule is
