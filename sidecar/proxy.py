@@ -167,7 +167,7 @@ class Proxy:
         try:
             await self._admit_and_forward(scope, body, send, handle, route, sent_id)
         except asyncio.CancelledError:
-            if handle.outcome is Outcome.PREFILL_OVERRUN and _overrun_cancel(handle):
+            if handle.outcome is Outcome.PREFILL_OVERRUN and _overrun_cancel():
                 # The in-flight guard stopped it before its first byte (core/overrun.py): the upstream
                 # request was cancelled with this task (the engine aborts it as the connection closes),
                 # and the client, who has seen nothing yet, gets the gate's answer.
@@ -376,8 +376,8 @@ async def _acquire(handle: Handle, demand: Demand) -> bool:
 _OVERRUN = "prefill_overrun"
 
 
-def _overrun_cancel(handle: Handle) -> bool:
-    """This task was cancelled by the guard's abort of ``handle`` alone (not also by the client leaving
+def _overrun_cancel() -> bool:
+    """This task was cancelled by the guard's abort of its request alone (not also by the client leaving
     or a shutdown): take that cancellation back, so the task can still answer."""
     task = asyncio.current_task()
     assert task is not None

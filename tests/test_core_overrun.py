@@ -439,6 +439,19 @@ def test_progress_follows_the_counter_and_leaves_with_each_prefill(
     assert [p.done_tokens for p in a.in_flight()] == [500]
 
 
+def test_a_younger_prefill_that_leaves_first_takes_only_its_own_share(clock: ManualClock) -> None:
+    """First come first served: what the counter grew by is the older prefill's first. A younger one
+    that leaves (its client gone) takes into done work only what was left over for it."""
+    a = Admission(policy(), clock)
+    a.update_snapshot(snapshot(clock.t, prefill_computed_tokens=100, prefill_cached_tokens=0))
+    h1, h2 = admitted(a, [5_000, 3_000])
+    a.update_snapshot(snapshot(clock.t, prefill_computed_tokens=6_100, prefill_cached_tokens=0))
+    assert [p.done_tokens for p in a.in_flight()] == [5_000, 1_000]
+    h2.end(Outcome.CLIENT_GONE)
+    # h2 took its 1,000; the 5,000 before it stay h1's (not 3,000, as if h2 had been first).
+    assert [(p.key, p.done_tokens) for p in a.in_flight()] == [(h1._key, 5_000)]
+
+
 def test_a_counter_too_old_for_a_reading_defers_the_comparison() -> None:
     p = PrefillProgress()
     assert not p.too_old(100.0, 10_000, 1_000)  # no counter: nothing to defer
