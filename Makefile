@@ -8,7 +8,7 @@ TOOLS := .tools/bin/.installed
 # pytest-xdist workers for `make test` (the suite is mostly waiting on real servers; 2 fits CI's 2 cores)
 TEST_JOBS ?= 2
 
-.PHONY: demo test lint venv tools clean bench-overhead bench-admission mutation soak fuzz
+.PHONY: demo test lint venv tools clean bench-overhead bench-floor-variants bench-admission mutation soak fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: $(STAMP) $(TOOLS)
 # nginx and wrk come from Debian's packages, extracted into .tools/ when they are not installed.
 bench-overhead: $(STAMP)
 	$(BIN)/python bench/overhead.py $(ARGS)
+
+# Where the floor's CPU goes (bench/floor_variants.py): its relay with the server, the client or the chunk
+# relay replaced by a minimal asyncio Protocol + httptools, against nginx; ARGS="--quick", "--profile".
+bench-floor-variants: $(STAMP)
+	$(BIN)/python bench/floor_variants.py $(ARGS)
 
 # Mutation testing of the admission core (sidecar/core/, admission.py, intake.py): about 10 minutes on
 # 2 cores. MUTATION.md lists every surviving mutant and why it is equivalent; scripts/mutation_score.py

@@ -210,10 +210,45 @@ async def wait_up(url: str, deadline_s: float = 30.0) -> None:
     raise RuntimeError(f"{url} did not come up within {deadline_s:g} s")
 
 
+def bench_env(args: argparse.Namespace) -> dict[str, str]:
+    """The benchmark processes' environment: this checkout importable, the /metrics page's size."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": pythonpath, "BENCH_METRICS_REPEAT": str(args.metrics_repeat)}
+
+
+def start_upstream(up: Server, cores: Cores, env: dict[str, str], log: Any) -> None:
+    """``bench/upstream.py`` under uvicorn at ``up.url``, on the upstream's cores and workers."""
+    up.proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "bench.upstream:app", "--port", up.url.rsplit(":", 1)[1],
+         "--workers", str(cores.upstream_workers), "--log-level", "warning", "--no-access-log"],
+        cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.upstream),
+    )  # fmt: skip
+
+
+def start_nginx(ng: Server, up: Server, args: argparse.Namespace, cores: Cores, tmp: Path, log: Any) -> None:
+    """Debian's nginx at ``ng.url`` in front of ``up`` (``NGINX_CONF``), on nginx's cores."""
+    nginx, nginx_env = debtools.ensure("nginx", args.tools_dir)
+    conf = tmp / "nginx.conf"
+    conf.write_text(
+        NGINX_CONF.format(
+            tmp=tmp,
+            upstream=up.url.rsplit(":", 1)[1],
+            port=ng.url.rsplit(":", 1)[1],
+            user="user root root;" if os.geteuid() == 0 else "",
+        )
+    )
+    ng.proc = subprocess.Popen(
+        [nginx, "-p", str(tmp), "-e", str(tmp / "nginx-error.log"), "-c", str(conf)],
+        env={**os.environ, **nginx_env}, stdout=log, stderr=log, preexec_fn=_pinned(cores.nginx),
+    )  # fmt: skip
+    ng.extra["version"] = subprocess.run(
+        [nginx, "-v"], env={**os.environ, **nginx_env}, capture_output=True, text=True
+    ).stderr.strip()
+
+
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[str, Server]]:
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": pythonpath, "BENCH_METRICS_REPEAT": str(args.metrics_repeat)}
+    env = bench_env(args)
     up = Server("direct", f"http://127.0.0.1:{free_port()}")
     ng = Server("nginx", f"http://127.0.0.1:{free_port()}")
     sc = Server("sidecar", f"http://127.0.0.1:{free_port()}")
@@ -221,30 +256,10 @@ def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[
     procs: list[subprocess.Popen[bytes]] = []
     log = (tmp / "servers.log").open("wb")
     try:
-        up.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "bench.upstream:app", "--port", up.url.rsplit(":", 1)[1],
-             "--workers", str(cores.upstream_workers), "--log-level", "warning", "--no-access-log"],
-            cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.upstream),
-        )  # fmt: skip
+        start_upstream(up, cores, env, log)
         procs.append(up.proc)
-        nginx, nginx_env = debtools.ensure("nginx", args.tools_dir)
-        conf = tmp / "nginx.conf"
-        conf.write_text(
-            NGINX_CONF.format(
-                tmp=tmp,
-                upstream=up.url.rsplit(":", 1)[1],
-                port=ng.url.rsplit(":", 1)[1],
-                user="user root root;" if os.geteuid() == 0 else "",
-            )
-        )
-        ng.proc = subprocess.Popen(
-            [nginx, "-p", str(tmp), "-e", str(tmp / "nginx-error.log"), "-c", str(conf)],
-            env={**os.environ, **nginx_env}, stdout=log, stderr=log, preexec_fn=_pinned(cores.nginx),
-        )  # fmt: skip
+        start_nginx(ng, up, args, cores, tmp, log)
         procs.append(ng.proc)
-        ng.extra["version"] = subprocess.run(
-            [nginx, "-v"], env={**os.environ, **nginx_env}, capture_output=True, text=True
-        ).stderr.strip()
         policy = tmp / "policy.yaml"
         policy.write_text(POLICY)
         gpu = args.gpu_source
