@@ -198,6 +198,11 @@ def metrics_case(name: str) -> Case:
         async with lane(tmp, engine, **QUICK) as (url, app, _), httpx.AsyncClient(timeout=10) as c:
             engine.metrics = BAD_METRICS[name][0] if name in BAD_METRICS else "garbage {{{\n"
             await until_stale(c, url, "engine")
+            # Stale by age is not yet unavailable: that takes `unavailable_after_failures` failed reads,
+            # and on a loaded machine the polls that count them lag the clock (the row read
+            # `signals_stale` once, with 2 failures counted when the age passed the bound).
+            need = app.admission.rules.engine.unavailable_after_failures
+            await eventually(lambda: app.admission.snapshot.engine_health.consecutive_failures >= need)
             r = await gated(c, url)
             ready = (await c.get(url + "/readyz")).status_code
             named = (await c.get(url.admin + "/admission/state")).json()["engine"]["implausible_series"]
