@@ -233,6 +233,10 @@ class Admission:
         self.overruns = 0
         self.overruns_unfit = 0
         self.last_overrun: tuple[float, Overrun] | None = None
+        # When an admitted request last ended, and what the shell calls when reads sooner than the
+        # poll interval become wanted (``report_wanted``).
+        self._released_at: float | None = None
+        self.on_report_wanted: Callable[[], None] = lambda: None
 
     @property
     def policy(self) -> Policy:
@@ -391,6 +395,7 @@ class Admission:
             h.decision, h._held, h._on_done = d, True, on_done
             self._queue.push(h)
             self._arm(h)
+            self._want_report()
         return d.action
 
     def _pump_once(self) -> None:
@@ -490,7 +495,8 @@ class Admission:
         if h.outcome is not None:
             return
         h.outcome = outcome
-        changed = h._key is not None or h._held
+        admitted = h._key is not None
+        changed = admitted or h._held
         if h._held:
             self._leave_queue(h)  # the client left while held: no decision, the next one may go
         if h._key is not None:
@@ -498,9 +504,29 @@ class Admission:
             self.ledger.release(h._key)
             self.watch.ended(h._key, self.clock.now())
             h._key = None
+            self._released_at = self.clock.now()
         self.observer.outcome(outcome)
         if changed:
             self.pump()
+        if admitted:
+            self._want_report()
+
+    def report_wanted(self) -> bool:
+        """Should the engine (and the GPU) be read sooner than the poll interval now?
+
+        While a request is held and an admitted request ended less than one engine poll interval ago:
+        what it held (KV, Mamba slots, its running slot) shows only in an engine report published after
+        its end, and the shell's pollers read sooner (``engine.poll_after_release_s``,
+        ``signals.engine.Sooner``) so that the held request goes in at the first read that shows it,
+        not at the next poll. After one interval the periodic poll has read the engine anyway."""
+        ended = self._released_at
+        if not self._queue.live or ended is None:
+            return False
+        return self.clock.now() - ended < self.policy.engine.poll_interval_s
+
+    def _want_report(self) -> None:
+        if self.report_wanted():
+            self.on_report_wanted()
 
     def _prefill_done(self, h: Handle, measured: bool) -> None:
         if h._key is not None:

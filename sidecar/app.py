@@ -38,7 +38,7 @@ from sidecar.proxy import ClientGone, Proxy, make_session, read_body
 from sidecar.requests import BadRequest
 from sidecar.responses import Response, error_response, json_response, send_response
 from sidecar.routes import RouteTable, normalize_path
-from sidecar.signals.engine import EngineScraper, make_control_client
+from sidecar.signals.engine import EngineScraper, Sooner, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
 from sidecar.tokens import CounterConfig, PromptCounter, TokenizerLoadError
 
@@ -215,6 +215,12 @@ class SidecarApp:
         self.scraper.on_implausible = lambda series: self.telemetry.implausible("engine", series)
         # A new engine process: its idle free memory is measured again (vram.idle_free_bytes: auto).
         self.scraper.on_engine_changed = lambda why: self.admission.watch.engine_restarted(self.clock(), why)
+        # While a request is held after an admitted one ended, both are read sooner than their intervals
+        # (policy engine.poll_after_release_s; Admission.report_wanted, signals.engine.Sooner).
+        self.scraper.sooner = self._sooner()
+        if self.gpu_poller is not None:
+            self.gpu_poller.sooner = self._sooner()
+        self.admission.on_report_wanted = self._report_wanted
         self._tasks.append(asyncio.create_task(self.scraper.run(self._on_engine), name="engine-scraper"))
         if self.gpu_poller is not None:
             self._tasks.append(asyncio.create_task(self.gpu_poller.run(self._on_gpu), name="gpu-poller"))
@@ -280,6 +286,15 @@ class SidecarApp:
         self.telemetry.close()
 
     # -- signals ----------------------------------------------------------------------------------
+
+    def _sooner(self) -> Sooner:
+        a = self.admission
+        return Sooner(a.report_wanted, lambda: a.policy.engine.poll_after_release_s)
+
+    def _report_wanted(self) -> None:
+        for poller in (self.scraper, self.gpu_poller):
+            if poller is not None and poller.sooner is not None:
+                poller.sooner.nudge()
 
     def _on_engine(self, signals: EngineSignals | None, health: SourceHealth) -> None:
         snap = self.admission.snapshot

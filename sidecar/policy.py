@@ -333,6 +333,10 @@ class Engine(SignalPolicy):
     # A /metrics page over this is a failed scrape, not an unbounded read: SGLang's is ~50 KB per
     # scheduler (8 DP ranks with every scheduler's metrics: well under 4 MiB).
     max_metrics_bytes: Size = Field(default=8 * 1024 * 1024, gt=0)
+    # For one poll interval after an admitted request ends while requests are held, the engine and the
+    # GPU are read this often instead (0: only every poll_interval_s): SGLang publishes the room the
+    # request left at its next report, and a held request goes in at the first read that shows it.
+    poll_after_release_s: float = Field(default=0.05, ge=0)
 
 
 class Gpu(SignalPolicy):

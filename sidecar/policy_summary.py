@@ -18,7 +18,7 @@ from sidecar.core.cost import project_bytes, shape
 from sidecar.core.decision import Action
 from sidecar.core.rules import Rules
 from sidecar.intake import rules_of
-from sidecar.policy import HeadroomSource, Policy, SignalPolicy, format_size
+from sidecar.policy import Engine, HeadroomSource, Policy, SignalPolicy, format_size
 
 # Prompt lengths an SRE asks about: the long-context tiers people actually configure.
 PROBE_TOKENS = (65_536, 131_072, 262_144, 500_000)
@@ -222,11 +222,19 @@ def _blind(sp: SignalPolicy, policy: Policy) -> str:
     }[sp.on_stale]
 
 
+def _sooner(e: Engine) -> str:
+    """The reads after an end (``engine.poll_after_release_s``), when on."""
+    if not e.poll_after_release_s:
+        return ""
+    gap = min(e.poll_after_release_s, e.poll_interval_s)
+    return f", every {gap:g} s for {e.poll_interval_s:g} s after a response ends while requests are held"
+
+
 def _on_stale(policy: Policy) -> dict[str, str]:
     e, g = policy.engine, policy.gpu
     out = {
-        "engine": f"older than {e.max_age_s:g} s (polled every {e.poll_interval_s:g} s): {_blind(e, policy)}; after "
-        f"{e.unavailable_after_failures} failed reads in a row: 503 engine_unavailable",
+        "engine": f"older than {e.max_age_s:g} s (polled every {e.poll_interval_s:g} s{_sooner(e)}): "
+        f"{_blind(e, policy)}; after {e.unavailable_after_failures} failed reads in a row: 503 engine_unavailable",
     }
     blind = f"older than {g.max_age_s:g} s (polled every {g.poll_interval_s:g} s): {_blind(g, policy)}"
     if policy.vram.headroom is HeadroomSource.IDLE_BUDGET:

@@ -206,3 +206,73 @@ def test_every_request_has_exactly_one_outcome(clock: ManualClock) -> None:
     assert a.held == 0
     assert a.ledger.totals == LedgerTotals()
     assert clock.pending == 0
+
+
+# -- reads sooner than the poll interval after an admitted request ends (Admission.report_wanted) --
+
+
+def running(a: Admission, clock: ManualClock) -> Handle:
+    """A 60,000-token request past its first token, as the engine's report shows it then."""
+    h = submit(a, ask(a, 60_000))
+    assert h.admitted
+    h.prefill_done()
+    a.update_snapshot(
+        snapshot(clock(), free_bytes=10 * MIB, kv_available_tokens=40_000, kv_used_tokens=60_000)
+    )
+    return h
+
+
+def test_an_end_while_a_request_is_held_asks_for_a_report_for_one_poll_interval(clock: ManualClock) -> None:
+    """What an ended request held shows only in a report read after its end: while a request waits,
+    the shell is asked to read sooner, for one engine poll interval (0.5 s here), not longer."""
+    a, _ = make(clock)
+    asked: list[float] = []
+    a.on_report_wanted = lambda: asked.append(clock())
+    first = running(a, clock)
+    held = submit(a, ask(a, 60_000))
+    assert held.held and held.decision is not None and held.decision.reason is Reason.KV_POOL
+    assert not a.report_wanted() and asked == []  # nothing ended yet: no report can show more
+    clock.advance(1.0)
+    first.end(Outcome.COMPLETED)
+    assert held.held  # the report in hand still shows the first request's KV
+    assert asked == [clock()] and a.report_wanted()
+    clock.advance(0.4999)
+    assert a.report_wanted()
+    clock.advance(0.0001)
+    assert not a.report_wanted()  # the periodic poll has read the engine since
+    a.update_snapshot(snapshot(clock(), free_bytes=10 * MIB))
+    assert held.admitted
+
+
+def test_nothing_held_or_nothing_admitted_ended_asks_for_no_report(clock: ManualClock) -> None:
+    a, _ = make(clock)
+    asked: list[float] = []
+    a.on_report_wanted = lambda: asked.append(clock())
+    alone = submit(a, ask(a, 1000))
+    alone.end(Outcome.COMPLETED)
+    assert asked == [] and not a.report_wanted()  # nobody waits: the next poll is soon enough
+    clock.advance(10)
+    a.update_snapshot(snapshot(clock(), free_bytes=10 * MIB))
+    running(a, clock)
+    waiting = submit(a, ask(a, 60_000))
+    assert waiting.held and asked == []  # the last end was 10 s ago: reports since show it
+    gone = submit(a, ask(a, 60_000))
+    gone.end(Outcome.CLIENT_GONE)  # a held request leaving released nothing in the engine
+    assert asked == [] and not a.report_wanted()
+
+
+def test_a_request_held_just_after_an_end_asks_for_a_report(clock: ManualClock) -> None:
+    """A round of requests arriving at the instant the last one ended: the report in hand predates
+    the end, so the first one held asks for a read (nothing was held at the end itself)."""
+    a, _ = make(clock)
+    asked: list[float] = []
+    a.on_report_wanted = lambda: asked.append(clock())
+    last = running(a, clock)
+    clock.advance(1.0)
+    last.end(Outcome.COMPLETED)
+    assert asked == []
+    clock.advance(0.1)
+    small = submit(a, ask(a, 1000))
+    assert small.admitted and asked == []  # admitted: no wait, no read
+    waiting = submit(a, ask(a, 60_000))
+    assert waiting.held and asked == [clock()]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -16,6 +18,8 @@ from sidecar.signals.engine import (
     METRICS_ACCEPT,
     EngineScraper,
     EngineUnavailable,
+    Pacing,
+    Sooner,
     make_control_client,
     parse_loads,
     parse_metrics,
@@ -675,3 +679,92 @@ def test_the_line_filter_changes_no_reading(monkeypatch: pytest.MonkeyPatch) -> 
     filtered = seen(texts)
     monkeypatch.setattr(engine_module, "_relevant_lines", lambda text: text)
     assert filtered == seen(texts)
+
+
+# --- reads sooner than the interval while the gate wants them (Pacing, Sooner) --------------------
+
+
+def test_pacing_reads_every_interval_and_sooner_only_while_wanted() -> None:
+    p = Pacing()
+    assert p.next_read(0.5, 0.05, False) == (-math.inf, False)  # the first read: at once
+    p.began(10.0, False)
+    assert p.next_read(0.5, 0.05, False) == (10.5, False)
+    assert p.next_read(0.5, 0.0, True) == (10.5, False)  # gap 0: never sooner
+    # Wanted: the first read the gate asks for is due at once, however recent the periodic one.
+    assert p.next_read(0.5, 0.05, True) == (-math.inf, True)
+    p.began(10.01, True)
+    assert p.next_read(0.5, 0.05, True) == (pytest.approx(10.06), True)
+    p.began(10.06, True)
+    assert p.next_read(0.5, 0.05, False) == (10.56, False)  # no longer wanted: one interval on
+    # A gap longer than what is left of the interval: the periodic read comes first.
+    assert p.next_read(0.5, 0.6, True) == (10.56, False)
+
+
+def blocking_metrics_server(started: list[int], inflight: list[int], release: asyncio.Queue) -> object:
+    """/metrics answers only when the test puts an event in ``release``; counts reads, and the most
+    at once in ``inflight[1]``. Everything else is 404 (a pre-0.5.9 engine)."""
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] == "lifespan":
+            from tests.harness import answer_lifespan
+
+            await answer_lifespan(receive, send)
+            return
+        if scope["path"] != "/metrics":
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        started[0] += 1
+        inflight[0] += 1
+        inflight[1] = max(inflight[1], inflight[0])
+        try:
+            await release.get()
+        finally:
+            inflight[0] -= 1
+        page = BUSY.encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", str(len(page)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": page})
+
+    return app
+
+
+async def test_a_burst_of_nudges_during_a_scrape_makes_one_more_scrape_never_two_at_once() -> None:
+    """Fifty responses ending while a scrape is on its way: the scraper waits for it, then scrapes
+    once more (the gate still wants a report), and never has two scrapes open at once."""
+    from tests.harness import eventually, serve
+
+    started, inflight = [0], [0, 0]
+    release: asyncio.Queue = asyncio.Queue()
+    wanted = [False]
+    updates: list[EngineSignals | None] = []
+    async with (
+        serve(blocking_metrics_server(started, inflight, release)) as url,
+        EngineScraper(url, interval_s=60) as scraper,
+    ):
+        scraper.sooner = Sooner(lambda: wanted[0], lambda: 0.05)
+        task = asyncio.create_task(scraper.run(lambda v, h: updates.append(v)))
+        try:
+            await eventually(lambda: started[0] == 1)
+            wanted[0] = True
+            for _ in range(50):
+                scraper.sooner.nudge()
+            await release.put(None)
+            await eventually(lambda: started[0] == 2)  # the one more, while the poll is 60 s away
+            assert inflight == [1, 1] and scraper.sooner.reads == 1 and len(updates) == 1
+            for _ in range(50):
+                scraper.sooner.nudge()
+            wanted[0] = False
+            await release.put(None)
+            await eventually(lambda: len(updates) == 2)
+            assert started[0] == 2 and inflight[1] == 1 and scraper.sooner.reads == 1
+            assert all(isinstance(u, EngineSignals) for u in updates)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -451,6 +451,55 @@ T = TypeVar("T")
 ExpectedErrors = tuple[type[BaseException], ...]
 
 
+class Pacing:
+    """When a poller reads next: every poll interval, and while the gate wants reports
+    (``Admission.report_wanted``) also ``gap_s`` after the last read it asked for, however soon that
+    is after a periodic read: at most ``1 / gap_s`` such reads a second beside the periodic ones, and
+    the first one at once. The live pollers and ``replay``'s follow this one rule."""
+
+    def __init__(self) -> None:
+        self.last = -math.inf  # when the last read began
+        self.last_sooner = -math.inf  # when the last read the gate asked for began
+
+    def next_read(self, interval_s: float, gap_s: float, wanted: bool) -> tuple[float, bool]:
+        """(when the next read is due, whether it is one the gate asked for); ``gap_s`` 0: never."""
+        periodic = self.last + interval_s
+        sooner = self.last_sooner + gap_s
+        if wanted and gap_s > 0 and sooner < periodic:
+            return sooner, True
+        return periodic, False
+
+    def began(self, t: float, sooner: bool) -> None:
+        self.last = t
+        if sooner:
+            self.last_sooner = t
+
+
+class Sooner:
+    """A poller's reads sooner than its interval, while the gate wants them.
+
+    A held request goes in at the first engine report that shows the room an ended request left, and
+    SGLang publishes that room only at its next report (at once when it goes idle, else after its next
+    prefill batch or within ``--decode-log-interval`` decode steps: docs/evidence.md S27), which the
+    periodic poll reads up to a whole interval late. ``wanted`` and ``gap_s`` are read at every wait;
+    ``nudge`` wakes a poller that is waiting out a longer interval. One poller is one task: never two
+    reads at once, and any number of nudges during a read make at most one more read after it.
+    """
+
+    def __init__(
+        self, wanted: Callable[[], bool] = lambda: False, gap_s: Callable[[], float] = lambda: 0.0
+    ) -> None:
+        self.wanted = wanted
+        self.gap_s = gap_s
+        self.pacing = Pacing()
+        self.reads = 0  # reads the gate asked for
+        self._event = asyncio.Event()
+
+    def nudge(self) -> None:
+        """The gate wants a report now (call on the poller's event loop)."""
+        self._event.set()
+
+
 async def poll_forever(
     read: Callable[[], Awaitable[T]],
     on_update: Callable[[T | None, SourceHealth], None],
@@ -459,10 +508,12 @@ async def poll_forever(
     clock: Callable[[], float],
     name: str,
     expected: ExpectedErrors = (),
+    sooner: Sooner | None = None,
 ) -> NoReturn:
     """Call ``read`` every ``interval_s`` and report each attempt; never dies except by cancellation.
 
     ``interval_s`` may be a callable, read before each sleep, so a policy reload changes the cadence.
+    With ``sooner``, reads also come sooner while the gate wants them (``Pacing``).
 
     A failed read reports ``None`` with the previous ``last_ok_at`` kept, so the gate can tell a
     stale-but-known signal from a source that never answered. ``expected`` errors are logged as one
@@ -470,8 +521,13 @@ async def poll_forever(
     """
     health = SourceHealth()
     last_logged: str | None = None
+    asked = False
     while True:
         started = clock()
+        if sooner is not None:
+            sooner._event.clear()  # a nudge from now on asks for the read after this one
+            sooner.pacing.began(started, asked)
+            sooner.reads += asked
         value: T | None = None
         try:
             value = await read()
@@ -496,8 +552,30 @@ async def poll_forever(
             on_update(value, health)
         except Exception:
             log.exception("%s: on_update callback failed", name)
+        if sooner is None:
+            interval = interval_s() if callable(interval_s) else interval_s
+            await asyncio.sleep(max(0.0, interval - (clock() - started)))
+        else:
+            asked = await _wait_for_next(interval_s, clock, sooner)
+
+
+async def _wait_for_next(
+    interval_s: float | Callable[[], float], clock: Callable[[], float], sooner: Sooner
+) -> bool:
+    """Until the next read is due (``Pacing``); a nudge makes it due again with what is wanted then.
+    True when the read is one the gate asked for."""
+    while True:
         interval = interval_s() if callable(interval_s) else interval_s
-        await asyncio.sleep(max(0.0, interval - (clock() - started)))
+        due, asked = sooner.pacing.next_read(interval, sooner.gap_s(), sooner.wanted())
+        delay = due - clock()
+        if delay <= 0:
+            return asked
+        try:
+            async with asyncio.timeout(delay):
+                await sooner._event.wait()
+        except TimeoutError:
+            return asked
+        sooner._event.clear()
 
 
 def _series_name(source: str, field: str) -> str:
@@ -564,6 +642,8 @@ class EngineScraper:
         # Called with the reason when the engine is noticed to have restarted (a new process: new
         # scheduler pids, a new pool, or back after failed scrapes without the old pids).
         self.on_engine_changed: Callable[[str], None] = lambda why: None
+        # Reads sooner than ``interval_s`` while the gate wants them (the app wires it to the gate).
+        self.sooner: Sooner | None = None
 
     async def aclose(self) -> None:
         """Close the HTTP client if this scraper created it (an injected one belongs to the caller)."""
@@ -765,4 +845,5 @@ class EngineScraper:
             clock=self._clock,
             name=f"engine {self.base_url}",
             expected=(EngineUnavailable,),
+            sooner=self.sooner,
         )

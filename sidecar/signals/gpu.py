@@ -37,7 +37,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, SourceHealth
-from sidecar.signals.engine import make_control_client, poll_forever
+from sidecar.signals.engine import Sooner, make_control_client, poll_forever
 from sidecar.signals.worker import run_in_signal_thread
 
 MIB = 1024 * 1024
@@ -527,6 +527,9 @@ class GpuPoller:
         self.source = source
         self.interval_s = interval_s
         self._clock = clock
+        # Reads sooner than ``interval_s`` while the gate wants them: a request that waited is admitted
+        # only on a GPU reading taken since it began waiting (``core/decide.py``).
+        self.sooner: Sooner | None = None
 
     async def check(self) -> GpuSignals | None:
         """One read now; raises GpuSourceError with the source's explanation."""
@@ -544,4 +547,5 @@ class GpuPoller:
             clock=self._clock,
             name=f"gpu {self.source.spec}",
             expected=(GpuSourceError,),
+            sooner=self.sooner,
         )

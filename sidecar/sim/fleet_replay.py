@@ -70,6 +70,7 @@ from sidecar.sim.replay import (
     load_inputs,
     make_clients,
     outcome_summary,
+    sidecar_pollers,
     start_clients,
     submit_attempt,
 )
@@ -229,6 +230,8 @@ class Lane:
         self.engine = EngineModel(setup.profile, seed=seed)
         self.admission = Admission(setup.policy, driver) if gated else None
         self.engine_health = SourceHealth()
+        # The sidecar's pollers, timed as ``replay``'s (and the live ones): sooner after an end.
+        self.pollers = sidecar_pollers(driver, self.admission, self.read_gpu, self.read_engine)
         self.breaker = Breaker(driver.flags)
         self.healthy = True
         self.health_fails = 0
@@ -283,7 +286,7 @@ class Lane:
 
     # -- the sidecar's pollers (as ``replay``'s) ----------------------------------------------------
 
-    def poll_engine(self) -> None:
+    def read_engine(self) -> None:
         assert self.admission is not None
         t, snap = self.driver.t, self.admission.snapshot
         if self.engine.up:
@@ -294,15 +297,13 @@ class Lane:
             self.engine_health = SourceHealth(h.last_ok_at, "connection refused", h.consecutive_failures + 1)
             snap = replace(snap, engine_health=self.engine_health)
         self.admission.update_snapshot(snap)
-        self.driver.at(t + self.admission.policy.engine.poll_interval_s, self.poll_engine, True)
 
-    def poll_gpu(self) -> None:
+    def read_gpu(self) -> None:
         assert self.admission is not None
         t, snap = self.driver.t, self.admission.snapshot
         self.admission.update_snapshot(
             replace(snap, gpu=gpu_signals(self.engine, t), gpu_health=SourceHealth(t))
         )
-        self.driver.at(t + self.admission.policy.gpu.poll_interval_s, self.poll_gpu, True)
 
 
 # -- routing rules --------------------------------------------------------------------------------------
@@ -523,8 +524,8 @@ class FleetDriver(VirtualLoop):
         self.clients = make_clients(self, self.scenario.workload)
         for lane in self.lanes:
             if lane.admission is not None:
-                self.at(0.0, lane.poll_engine, True)
-                self.at(0.0, lane.poll_gpu, True)
+                for p in lane.pollers:
+                    p.start(0.0)
             self.at(0.0, lane.poll_loads, True)
             self.at(self.flags.health_interval_s, lane.health_check, True)
         start_clients(self, self.clients)

@@ -33,6 +33,7 @@ from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import SourceHealth
 from sidecar.policy import LoadedPolicy, PolicyError, load_policy_file
+from sidecar.signals.engine import Pacing
 from sidecar.sim.engine import EngineModel
 from sidecar.sim.events import Crashed, Failed, Finished, FirstToken, Restarted, Retracted, Tokens
 from sidecar.sim.profiles import LaneProfile, get_profile
@@ -278,6 +279,82 @@ class _VirtualTimer:
         self.fn = None
 
 
+class VirtualPoller:
+    """One of the sidecar's pollers on the virtual clock, timed by the live pollers' rule
+    (``signals.engine.Pacing``): the next read is due when that rule says, a nudge
+    (``Admission.on_report_wanted``) asks it again, and a read takes no time, so none overlaps another."""
+
+    def __init__(
+        self,
+        loop: VirtualLoop,
+        read: Callable[[], None],
+        interval_s: Callable[[], float],
+        gap_s: Callable[[], float],
+        wanted: Callable[[], bool],
+    ) -> None:
+        self.loop = loop
+        self.read = read
+        self.interval_s, self.gap_s, self.wanted = interval_s, gap_s, wanted
+        self.pacing = Pacing()
+        self.reads = 0
+        self.sooner_reads = 0
+        self._due = math.inf
+        self._gen = 0
+
+    def start(self, t: float) -> None:
+        self._schedule(t, False)
+
+    def nudge(self) -> None:
+        due, asked = self.pacing.next_read(self.interval_s(), self.gap_s(), self.wanted())
+        due = max(self.loop.t, due)
+        if due < self._due:
+            self._schedule(due, asked)
+
+    def _schedule(self, t: float, asked: bool) -> None:
+        self._gen += 1
+        self._due = t
+        self.loop.at(t, lambda g=self._gen: self._fire(g, asked), housekeeping=True)
+
+    def _fire(self, gen: int, asked: bool) -> None:
+        if gen != self._gen:
+            return  # asked again since: that read is this one
+        self.pacing.began(self.loop.t, asked)
+        self.reads += 1
+        self.sooner_reads += asked
+        self.read()
+        due, asked = self.pacing.next_read(self.interval_s(), self.gap_s(), self.wanted())
+        self._schedule(max(self.loop.t, due), asked)
+
+
+def sidecar_pollers(
+    loop: VirtualLoop,
+    admission: Admission | None,
+    read_gpu: Callable[[], None],
+    read_engine: Callable[[], None],
+) -> list[VirtualPoller]:
+    """A gated lane's GPU and engine pollers, wired to its gate as the app wires the live ones (none
+    for an ungated lane). The GPU first: a reading at the same instant counts as taken since a wait
+    began (``core/decide.py``)."""
+    if admission is None:
+        return []
+    a = admission
+
+    def gap() -> float:
+        return a.policy.engine.poll_after_release_s
+
+    pollers = [
+        VirtualPoller(loop, read_gpu, lambda: a.policy.gpu.poll_interval_s, gap, a.report_wanted),
+        VirtualPoller(loop, read_engine, lambda: a.policy.engine.poll_interval_s, gap, a.report_wanted),
+    ]
+
+    def nudge() -> None:
+        for p in pollers:
+            p.nudge()
+
+    a.on_report_wanted = nudge
+    return pollers
+
+
 def attempt_demand(a: Attempt, rules: Rules, now: float, profile: LaneProfile, request_id: str) -> Demand:
     """What an attempt asks of a lane's gate, as if it arrived ``now``."""
     return demand.build(
@@ -391,6 +468,7 @@ class Driver(VirtualLoop):
         self.recorder = Recorder(self)
         self.admission = Admission(policy, self, observer=self.recorder) if policy is not None else None
         self.engine_health = SourceHealth()
+        self.pollers = sidecar_pollers(self, self.admission, self._read_gpu, self._read_engine)
         self.series: dict[str, list[Any]] = {
             k: []
             for k in (
@@ -506,7 +584,7 @@ class Driver(VirtualLoop):
 
     # -- the sidecar's pollers ----------------------------------------------------------------------
 
-    def _poll_engine(self) -> None:
+    def _read_engine(self) -> None:
         assert self.admission is not None
         snap = self.admission.snapshot
         if self.engine.up:
@@ -520,15 +598,13 @@ class Driver(VirtualLoop):
             self.engine_health = SourceHealth(h.last_ok_at, "connection refused", h.consecutive_failures + 1)
             snap = replace(snap, engine_health=self.engine_health)
         self.admission.update_snapshot(snap)
-        self.at(self.t + self.admission.policy.engine.poll_interval_s, self._poll_engine, True)
 
-    def _poll_gpu(self) -> None:
+    def _read_gpu(self) -> None:
         assert self.admission is not None
         snap = self.admission.snapshot
         self.admission.update_snapshot(
             replace(snap, gpu=gpu_signals(self.engine, self.t), gpu_health=SourceHealth(self.t))
         )
-        self.at(self.t + self.admission.policy.gpu.poll_interval_s, self._poll_gpu, True)
 
     def _sample(self) -> None:
         live = self.engine.live_gauges() if self.engine.up else None
@@ -557,8 +633,8 @@ class Driver(VirtualLoop):
         self.clients = make_clients(self, self.scenario.workload)
         if self.admission is not None:
             # The sidecar reads its signals before the first client arrives, as a started sidecar has.
-            self.at(0.0, self._poll_engine, True)
-            self.at(0.0, self._poll_gpu, True)
+            for p in self.pollers:
+                p.start(0.0)
         start_clients(self, self.clients)
         self.at(0.0, self._sample, True)
         for ev in self.scenario.gpu_events:
