@@ -316,10 +316,14 @@ def make_gate(gate: str, value: int | None, profile: LaneProfile, lag: str) -> b
 
 
 def slow_policy(policy: LoadedPolicy) -> LoadedPolicy:
-    """Polled every 5 s; signals count as fresh for two polls (a 5 s age limit would hold everything)."""
+    """Polled every 5 s and never sooner (no reads after an end: ``engine.poll_after_release_s`` 0);
+    signals count as fresh for two polls (a 5 s age limit would hold everything)."""
     p = policy.policy
     policy = policy.with_section(
-        "engine", poll_interval_s=SLOW_POLL_S, max_age_s=max(p.engine.max_age_s, 2 * SLOW_POLL_S + 0.5)
+        "engine",
+        poll_interval_s=SLOW_POLL_S,
+        max_age_s=max(p.engine.max_age_s, 2 * SLOW_POLL_S + 0.5),
+        poll_after_release_s=0,
     )
     return policy.with_section(
         "gpu", poll_interval_s=SLOW_POLL_S, max_age_s=max(p.gpu.max_age_s, 2 * SLOW_POLL_S + 0.5)
