@@ -67,7 +67,8 @@ FIRE = {
     # The policy's 1 KiB per chunk token is far below the h200 profile's transients: a true finding.
     "SidecarProjectionUnderestimated",
 }
-QUIET = {"SidecarNotScraped", "SidecarLogLinesDropped"}
+# No request outgrows its room mid-prefill here (tests/test_guard.py makes the guard abort).
+QUIET = {"SidecarNotScraped", "SidecarLogLinesDropped", "SidecarPrefillOverrun"}
 
 
 def free_port() -> int:
