@@ -59,6 +59,7 @@ class SidecarApp:
         max_connections: int = 1024,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 1800.0,
+        upstream_client: str = "aiohttp",
         trust_emulator_sizes: bool = False,
         admin_on_data_port: bool = False,
         host_check: HostCheck | None = None,
@@ -104,6 +105,7 @@ class SidecarApp:
             StateCollector(self.admission, clock, self.gate_open, lambda: self.telemetry.dropped_log_lines)
         )
         self._limits = (max_connections, connect_timeout_s, read_timeout_s)
+        self._upstream_client = upstream_client
         self._tasks: list[asyncio.Task[None]] = []
         self.control: httpx.AsyncClient | None = None
         # The engine's /tokenize (opt-in) gets its own pool: a burst of long prompts must not queue
@@ -204,7 +206,7 @@ class SidecarApp:
             if first is not None:
                 self._on_gpu(first, SourceHealth(last_ok_at=self.clock()))
         self.control = make_control_client(timeout_s=5.0)
-        self.proxy.session = make_session(*self._limits)
+        self.proxy.session = make_session(*self._limits, upstream=self.upstream, client=self._upstream_client)
         self.scraper = EngineScraper(
             self.upstream,
             client=self.control,

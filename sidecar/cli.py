@@ -285,6 +285,7 @@ def _serve_with(settings: Any) -> int:
         max_connections=settings.max_connections,
         connect_timeout_s=settings.upstream_connect_timeout_s,
         read_timeout_s=settings.upstream_read_timeout_s,
+        upstream_client=settings.upstream_client,
         trust_emulator_sizes=settings.trust_emulator_sizes,
         admin_on_data_port=settings.admin_on_data_port,
         host_check=settings.host_check(),

@@ -37,6 +37,7 @@ from sidecar.requests import BadRequest, GenerationRequest, parse_generation
 from sidecar.responses import Response, error_response, json_response, rejection_response, send_response
 from sidecar.routes import Route
 from sidecar.tokens import PromptCounter, TokenCount
+from sidecar.upstream import UpstreamClient
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -62,9 +63,26 @@ class ClientGone(Exception):
 
 
 def make_session(
-    max_connections: int, connect_timeout_s: float, read_timeout_s: float
-) -> aiohttp.ClientSession:
-    """One session for the process, created inside the running loop (the app's lifespan)."""
+    max_connections: int,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    *,
+    upstream: str | None = None,
+    client: str = "aiohttp",
+) -> aiohttp.ClientSession | UpstreamClient:
+    """One session for the process, created inside the running loop (the app's lifespan).
+
+    ``client="lean"``: ``sidecar/upstream.py``'s client for ``upstream``, which raises aiohttp's
+    exception classes, so the error mapping below holds for both."""
+    if client == "lean":
+        assert upstream is not None, "the lean client serves one engine: its URL is needed"
+        return UpstreamClient(
+            upstream,
+            max_connections=max_connections,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            keepalive_s=4.0,  # as the connector's below: under uvicorn's 5 s keep-alive
+        )
     connector = aiohttp.TCPConnector(
         limit=max_connections,
         limit_per_host=0,
@@ -105,7 +123,7 @@ class Proxy:
         self._origin = _origin(self.upstream)
         self.admission = admission
         self.counter = counter
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | UpstreamClient | None = None
 
     # -- entry ---------------------------------------------------------------------------------------
 
