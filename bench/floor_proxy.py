@@ -21,16 +21,18 @@ from yarl import URL
 class FloorProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
-        self.session: aiohttp.ClientSession | None = None
+        self.session: Any = None
+
+    def make_session(self) -> Any:
+        """The upstream client, made inside the running loop (``bench/floor_variants.py`` swaps it)."""
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), auto_decompress=False)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
-                    self.session = aiohttp.ClientSession(
-                        connector=aiohttp.TCPConnector(limit=1024), auto_decompress=False
-                    )
+                    self.session = self.make_session()
                     await send({"type": "lifespan.startup.complete"})
                 else:
                     assert self.session is not None

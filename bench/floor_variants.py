@@ -17,6 +17,8 @@ stream chunked SSE. One process each, all on uvloop, loaded one at a time agains
 - ``f``  minimal both with a task per request that reads the parsed body and writes it chunked again,
   as ``c`` does with aiohttp's: ``f`` against ``e`` is the per-chunk relay, ``f`` against ``c``
   the client alone under the same server, ``b`` against ``a`` the client alone under uvicorn.
+- ``g``  ``a`` with ``sidecar/upstream.py``'s client in place of aiohttp's: ``b``'s client with what
+  the sidecar needs on top (timeouts, a connection limit, idle expiry, error classes, backpressure).
 
 Shapes as ``bench/overhead.py``'s saturation (wrk, 64 connections): ``small`` (a small ``POST
 /generate``), ``small-passthrough`` (``GET /v1/models``), ``sse`` (100 events of ~200 B a request).
@@ -54,7 +56,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import overhead  # bench/ is not a package: imported from beside this file
+import floor_proxy  # bench/ is not a package: imported from beside this file
+import overhead
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -64,6 +67,7 @@ VARIANTS = {
     "d": "minimal both, callbacks, raw body relay",
     "e": "minimal both + a task per request",
     "f": "minimal both + a task, body re-framed",
+    "g": "uvicorn + sidecar/upstream.py (the product's lean client)",
 }
 # Hop-by-hop (RFC 9110 §7.6.1) plus what the relay sets itself.
 _DROP_REQUEST = frozenset(
@@ -373,6 +377,17 @@ class MinimalClientApp:
         await send({"type": "http.response.body", "body": b""})
 
 
+class LeanClientFloor(floor_proxy.FloorProxy):
+    """(g): the floor with the sidecar's own lean client (``sidecar/upstream.py``) for aiohttp's."""
+
+    def make_session(self) -> Any:
+        from sidecar.upstream import UpstreamClient
+
+        return UpstreamClient(
+            self.upstream, max_connections=1024, connect_timeout_s=5.0, read_timeout_s=1800.0
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # (c), (d), (e): the minimal server
 # --------------------------------------------------------------------------------------------------
@@ -665,10 +680,15 @@ def serve(variant: str, upstream: str, port: int) -> None:
     import uvloop
 
     if variant == "a":
-        import floor_proxy
         import uvicorn
 
         uvicorn.run(floor_proxy.FloorProxy(upstream), host="127.0.0.1", port=port, log_level="warning",
+                    access_log=False, loop="uvloop", http="httptools")  # fmt: skip
+        return
+    if variant == "g":
+        import uvicorn
+
+        uvicorn.run(LeanClientFloor(upstream), host="127.0.0.1", port=port, log_level="warning",
                     access_log=False, loop="uvloop", http="httptools")  # fmt: skip
         return
     if variant == "b":
@@ -939,7 +959,11 @@ def profile(
             spyp = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             time.sleep(0.5)  # py-spy attaches before the load starts
             overhead.wrk(args, cores, srv["a"].url + path, script, secs + 1)
-            _, err = spyp.communicate(timeout=60)
+            try:
+                _, err = spyp.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                spyp.kill()
+                _, err = spyp.communicate()
             if raw.exists():
                 break
         if not raw.exists():
@@ -998,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 rounds of 2 s phases")
     ap.add_argument("--rounds", type=int, help="rounds (default 5, quick 2)")
     ap.add_argument("--seconds", type=float, help="length of each measured phase (default 5, quick 2)")
-    ap.add_argument("--variants", default="abcdef", help="which variants (default abcdef)")
+    ap.add_argument("--variants", default="abcdefg", help="which variants (default abcdefg)")
     ap.add_argument("--pin", choices=("split", "none"), default="split",
                     help="under 12 cores: split (the proxy alone on the last core) or none")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="py-spy a profile of variant a (small, SSE)")
@@ -1019,46 +1043,52 @@ def main(argv: list[str] | None = None) -> int:
     cores = plan_cores(args.pin)
     started = time.monotonic()
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="floor-variants-") as t, servers(args, cores, Path(t)) as srv:
-        check(srv)
-        print(f"all paths relay every shape byte for byte; {args.rounds} rounds of {args.seconds:g} s phases")
-        rows = measure(args, cores, srv, Path(t), args.rounds)
-        spy = profile(args, cores, srv, Path(t)) if args.profile and "a" in srv else None
-        nginx_version = srv["nginx"].extra.get("version")
-    summary = summarize(rows)
-    print_table(summary)
-    if spy:
-        print("\npy-spy of a (uvicorn + aiohttp), share of samples")
-        for kind, p in spy.items():
-            print(f"  {kind}: " + json.dumps(p))
     import aiohttp
     import httptools
     import uvicorn
     import uvloop
 
-    doc = {
+    doc: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine,
         "cores": os.cpu_count(),
         "pinning": vars(cores),
-        "load1_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
         "versions": {
             "python": platform.python_version(),
-            "nginx": nginx_version,
             "uvicorn": uvicorn.__version__,
             "aiohttp": aiohttp.__version__,
             "uvloop": uvloop.__version__,
             "httptools": httptools.__version__,
         },
         "variants": {v: VARIANTS[v] for v in args.variants},
-        "wall_s": round(time.monotonic() - started, 1),
-        "summary": summary,
-        "rows": rows,
-        "profile_a": spy,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1) + "\n")
+
+    def write(**more: Any) -> None:
+        doc.update(more, wall_s=round(time.monotonic() - started, 1))
+        doc["load1_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="floor-variants-") as t, servers(args, cores, Path(t)) as srv:
+        doc["versions"]["nginx"] = srv["nginx"].extra.get("version")
+        check(srv)
+        print(f"all paths relay every shape byte for byte; {args.rounds} rounds of {args.seconds:g} s phases")
+        rows = measure(args, cores, srv, Path(t), args.rounds)
+        summary = summarize(rows)
+        print_table(summary)
+        write(summary=summary, rows=rows, profile_a=None)  # the figures are safe before py-spy runs
+        if args.profile and "a" in srv:
+            try:
+                spy: Any = profile(args, cores, srv, Path(t))
+            except (
+                Exception
+            ) as e:  # a profiler that cannot attach (a sandboxed kernel) costs the profile only
+                spy = {"error": repr(e)}
+            print("\npy-spy of a (uvicorn + aiohttp), share of samples")
+            for kind, prof in spy.items():
+                print(f"  {kind}: " + json.dumps(prof))
+            write(profile_a=spy)
     print(f"\nwrote {args.json} ({doc['wall_s']:g} s)")
     return 0
 

@@ -54,6 +54,7 @@ async def test_every_variant_relays_every_shape_as_the_upstream_answers_it() -> 
             "d": await stack.enter_async_context(minimal_server(fv.Minimal(up, "raw"))),
             "e": await stack.enter_async_context(minimal_server(fv.Minimal(up, "raw-task"))),
             "f": await stack.enter_async_context(minimal_server(fv.Minimal(up, "reframe"))),
+            "g": await stack.enter_async_context(serve_app(fv.LeanClientFloor(up))),
         }
         session = await stack.enter_async_context(aiohttp.ClientSession())
         for method, path, body in SHAPES:
