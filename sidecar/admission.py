@@ -31,7 +31,15 @@ from sidecar.core.decide import Situation, decide, retry_after_s
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand, reprice
 from sidecar.core.ledger import Ledger, LedgerTotals
-from sidecar.core.overrun import Overrun, Prefill, PrefillProgress, in_flight_bytes, overruns, rejection
+from sidecar.core.overrun import (
+    Overrun,
+    Prefill,
+    PrefillProgress,
+    final_bytes,
+    in_flight_bytes,
+    overruns,
+    rejection,
+)
 from sidecar.core.prefill_rate import PrefillRate
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot
@@ -292,10 +300,13 @@ class Admission:
         # Progress as of now: any GPU reading in hand was read before now, so what the engine can have
         # computed since its counters were requested covers it. Counters too old for that, and the
         # comparison waits for the next engine report (a caching allocator's reading keeps its peak).
+        # With no prefill in flight their age does not matter: there is no progress to estimate (the
+        # prefills that ended are expected at their final peaks, ``LaneWatch.left``).
         prefills = self.in_flight(now)
         in_flight = in_flight_bytes(prefills, self.watch.priced)
-        chunk = max((p.demand.chunk_size for p in prefills), default=0)
-        defer = in_flight is not None and self.progress.too_old(now, self._allowance_rate(), chunk)
+        defer = bool(prefills) and self.progress.too_old(
+            now, self._allowance_rate(), max(p.demand.chunk_size for p in prefills)
+        )
         if self.watch.observe(snap, self.ledger.totals, self.rules, now, in_flight, defer):
             self._apply_rules()
         self._guard()
@@ -316,9 +327,8 @@ class Admission:
         ``now`` is advanced by what the lane could have computed since, at twice the faster of its
         measured and its policy's prefill rate: progress is never under-counted (the safe side for the
         monitor, which compares a reading with the transient at that progress)."""
-        rate = 0.0 if now is None else self._allowance_rate()
         entries = [(k, h.demand) for k, h in self._prefilling.items() if h.demand is not None]
-        return self.progress.prefills(entries, now, rate)
+        return self.progress.prefills(entries, now, self._allowance_rate())
 
     def _allowance_rate(self) -> float:
         """Tokens per second the lane may compute between a counter's report and a later reading: twice
@@ -480,6 +490,7 @@ class Admission:
             self.progress.started()
         h._key = self.ledger.charge(d.charge)
         self._prefilling[h._key] = h
+        self.progress.admitted(h._key, h.demand.uncached_tokens)
         tracked = self.progress.counter is not None
         self.watch.charged(h._key, h.demand.request_id, self.ledger.totals, self.rules.cost, tracked)
         if h.shadow_reject is None:
@@ -541,29 +552,22 @@ class Admission:
     def _left_prefill(self, key: int) -> None:
         """A prefill ended (its first byte, or the request ended before it): its share of the counter
         is done work, and what it took may show in the next reading (a caching allocator keeps it):
-        the monitor expects up to its final peak, as priced at its admission."""
-        h = self._prefilling.pop(key, None)
-        if h is None or self.progress.counter is None:
-            # Without the engine's counter there is no progress to attribute and nothing to expect
-            # beyond the final peaks: O(1) per first byte (this runs for every gated request).
-            return
-        # Its share is what the counter grew by beyond the prefills admitted before it (first come
-        # first served): only those ahead of it are read, usually none (the oldest leaves first).
-        ahead = [other.demand.uncached_tokens for other in self._ahead_of_prefill(key)]
-        if h.demand is not None:
-            self.progress.left([*ahead, h.demand.uncached_tokens], len(ahead))
-            rest = in_flight_bytes(self.in_flight(self.clock.now()), self.watch.priced) or 0
-            self.watch.expect(h.demand.projected_bytes + rest)
+        the monitor expects up to its final peak beside what the prefills still in flight reach.
 
-    def _ahead_of_prefill(self, key: int) -> list[Handle]:
-        """The in-flight prefills admitted before ``key`` (ledger keys grow with admission order)."""
-        out = []
-        for k, other in self._prefilling.items():
-            if k > key:
-                break
-            if other.demand is not None:
-                out.append(other)
-        return out
+        O(1): this runs at every gated request's first byte. The counter's shares are kept as prefills
+        come and go (``PrefillProgress.left``), and the monitor sums the final peaks of the prefills
+        that ended and adds the in-flight ones once, at the next reading (``LaneWatch.left``), instead
+        of pricing every prefill still in flight at each end (which made a burst of first bytes
+        quadratic in the prefills in flight)."""
+        h = self._prefilling.pop(key, None)
+        if h is None:
+            return
+        self.progress.left(key)
+        if self.progress.counter is not None:
+            # Without the counter the monitor compares with the final peaks of the ledger's prefills
+            # anyway (each was expected at its admission): nothing more to expect.
+            assert h.demand is not None
+            self.watch.left(final_bytes(h.demand, self.watch.priced), last=not self._prefilling)
 
     def _guard(self) -> None:
         """Abort the admitted prefills that no longer fit under the rules now in force (the rule is

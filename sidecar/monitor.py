@@ -137,6 +137,10 @@ class LaneWatch:
         self._charged_with = self.margin
         self._alive: dict[int, str] = {}
         self._window_ids: dict[str, None] = {}
+        # The final peaks of the counted prefills that ended since the previous reading (``left``): of
+        # those that ended while others were in flight, and the largest such sum that ended with none.
+        self._ended_now = 0
+        self._ended_before = 0
         self._cost: CostModel = CostModel(0, 0, 0, 0, None, self.margin)
 
     @property
@@ -163,6 +167,7 @@ class LaneWatch:
         self._traffic = False
         self._low_water = self._prev_free = None
         self._peak = self._window = (0, self.margin)
+        self._ended_now = self._ended_before = 0
         if had is not None or self._policy.vram.idle_free_auto:
             log.info(
                 "engine changed (%s): idle free memory will be measured again when it is idle",
@@ -192,6 +197,39 @@ class LaneWatch:
         p = (nbytes, self._charged_with)
         self._window = max(self._window, p)
         self._peak = max(self._peak, p)
+
+    def left(self, peak: int, last: bool) -> None:
+        """A prefill whose progress was counted ended (its first byte, an abort, a failure), with its
+        final peak ``peak`` (``overrun.final_bytes``); ``last``: no other prefill is in flight now.
+        O(1): the next reading is compared with the sum of the peaks that ended since the previous one
+        plus what the prefills in flight then have reached (``observe(in_flight=...)``), see
+        :meth:`_ended`."""
+        self._ended_now += peak
+        if last:
+            # No prefill in flight now overlapped these: the prefills that come next are summed apart.
+            self._ended_before = max(self._ended_before, self._ended_now)
+            self._ended_now = 0
+
+    def _ended(self, in_flight: int | None) -> int:
+        """What the engine may have allocated since the previous reading for the counted prefills that
+        ended in between (``left``), with ``in_flight`` what the prefills in flight at this reading
+        reach (None, unknown: 0 here, their final peaks are expected then); 0 when none ended.
+
+        Why it is enough: when prefill i ended, the engine held at most i's final peak plus what each
+        prefill P then in flight had reached. Either P ended later, before this reading: prefills were
+        in flight all along between the two ends, so P's final peak, the most P can reach, is in i's
+        sum. Or P is still in flight: i's sum is the open one (``_ended_now``), and ``in_flight``
+        prices P at its progress now, at least its progress then (progress only grows, and the
+        estimate bounds it from above, as every reading's comparison assumes). So the figure is at
+        least what pricing every in-flight prefill at i's end gave (the O(in-flight) walk per first
+        byte this replaces) whenever that estimate did not fall in between; where it did (a newer
+        counter below an earlier allowance, a start or a cache hit shown since), the engine's real
+        progress still bounds P, and ``in_flight`` bounds that. It is looser than that walk by the
+        peaks of prefills that ended one after another while others ran (a larger projection: never a
+        false finding); a sum closes when nothing is left in flight, as no later prefill overlapped it."""
+        if not (self._ended_before or self._ended_now):
+            return 0  # none ended: the reading is compared with what is in flight (``_check``)
+        return max(self._ended_before, self._ended_now + (in_flight or 0))
 
     def ended(self, key: int, now: float) -> None:
         if self._alive.pop(key, None) is not None:
@@ -333,7 +371,10 @@ class LaneWatch:
             else max(in_flight, cost.join_bytes(totals.running_requests))
         )
         current = (expected, self._charged_with)
-        window, ids = max(self._window, current), tuple(self._window_ids)
+        ended = (self._ended(in_flight), self._charged_with)
+        self._ended_now = self._ended_before = 0
+        window, ids = max(self._window, current, ended), tuple(self._window_ids)
+        self._peak = max(self._peak, ended)
         self._window = current
         self._window_ids = dict.fromkeys(self._alive.values())
         # An engine that does not answer may be restarting: its new process's boot is no request's.

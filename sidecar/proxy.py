@@ -390,7 +390,9 @@ async def _acquire(handle: Handle, demand: Demand) -> bool:
     return handle.admitted
 
 
-# The cancellation message of a request the in-flight guard stopped (Handle.on_overrun).
+# The cancellation message of a request the in-flight guard stopped (Handle.on_overrun): for whoever
+# reads a traceback of the task. ``_gated`` decides by the handle's outcome, not by this message (of two
+# cancellations, the client's and the guard's, only one message survives).
 _OVERRUN = "prefill_overrun"
 
 

@@ -15,7 +15,15 @@ from sidecar.core import demand
 from sidecar.core.cost import project_at_progress
 from sidecar.core.decision import Action, Charge, Check, Decision, Reason
 from sidecar.core.demand import Demand
-from sidecar.core.overrun import Overrun, Prefill, PrefillProgress, in_flight_bytes, overruns, rejection
+from sidecar.core.overrun import (
+    Overrun,
+    Prefill,
+    PrefillProgress,
+    final_bytes,
+    in_flight_bytes,
+    overruns,
+    rejection,
+)
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, Snapshot
 from sidecar.intake import rules_of
@@ -219,7 +227,8 @@ def test_without_a_counter_there_is_no_progress() -> None:
     r = rules()
     (one,) = p.prefills([(1, ask(r, 5_000, "a"))])
     assert one.done_tokens is None and not one.started
-    p.left([5_000], 0)  # harmless
+    p.admitted(1, 5_000)
+    p.left(1)  # harmless
     p.started()
     assert p.base is None
 
@@ -227,19 +236,53 @@ def test_without_a_counter_there_is_no_progress() -> None:
 def test_the_counter_goes_to_the_oldest_first_each_up_to_its_uncached_tokens() -> None:
     p = PrefillProgress()
     p.observe(100, 40, 0.0, idle=True)  # earlier work
+    for key, u in ((1, 2_000), (2, 3_000), (3, 1_000)):
+        p.admitted(key, u)
     p.observe(2_600, 40, 1.0, idle=False)
     assert p.done([2_000, 3_000, 1_000]) == [(2_000, 2_000, 0), (500, 500, 0), (0, 0, 0)]
     p.observe(2_600, 40, 1.5, idle=False)  # no growth is no restart
     assert p.done([2_000, 3_000, 1_000]) == [(2_000, 2_000, 0), (500, 500, 0), (0, 0, 0)]
     # The first left with its share: the rest keep theirs.
-    p.left([2_000, 3_000, 1_000], 0)
+    p.left(1)
     assert p.base == 2_100
     assert p.done([3_000, 1_000]) == [(500, 500, 0), (0, 0, 0)]
-    # One in the middle leaves: those after it keep their shares.
+    # The last one leaves with none: the one before keeps its share.
     p.observe(4_600, 40, 2.0, idle=False)
     assert p.done([3_000, 1_000]) == [(2_500, 2_500, 0), (0, 0, 0)]
-    p.left([3_000, 1_000], 1)
+    p.left(3)
+    assert p.base == 2_100
     assert p.done([3_000]) == [(2_500, 2_500, 0)]
+    # A partly done one leaves: its share is done work, and the counter goes on to the next.
+    p.admitted(4, 1_000)
+    p.left(2)
+    assert p.base == 4_600
+    p.observe(5_000, 40, 3.0, idle=False)
+    assert p.done([1_000]) == [(400, 400, 0)]
+
+
+def test_a_newcomer_takes_what_the_counter_grew_by_beyond_the_prefills_in_flight() -> None:
+    """The gate's uncached count is an upper bound: a prompt the engine found cached computes less, and
+    the counter's surplus goes to the next prefill, even one admitted after the report."""
+    p = PrefillProgress()
+    p.observe(0, 0, 0.0, idle=True)
+    p.started()
+    p.admitted(1, 1_000)
+    p.observe(1_500, 0, 1.0, idle=False)  # 500 beyond the first one's 1,000
+    p.admitted(2, 300)
+    p.admitted(3, 2_000)  # 200 left for it
+    p.admitted(4, 2_000)  # and none for this one
+    p.left(3)
+    assert p.base == 200
+    p.left(1)
+    p.left(4)
+    assert p.base == 1_200
+    p.left(2)
+    assert p.base == 1_500
+    # Admitted after a counter that went backwards (a new engine process): nothing is spare.
+    p.observe(100, 0, 2.0, idle=False)
+    p.admitted(5, 1_000)
+    p.left(5)
+    assert p.base == 100
 
 
 def test_hits_since_the_prefills_began_bound_any_started_ones_hit() -> None:
@@ -550,3 +593,425 @@ def test_a_prefill_that_ended_between_two_readings_is_no_finding(clock: ManualCl
     # More than that is one.
     a.update_snapshot(snapshot(clock.t, free_bytes=idle - 10_300 * KIB, prefill_computed_tokens=9_000))
     assert a.watch.underestimates == 1
+
+
+# -- a prefill's end is O(1); what the monitor expects after it ----------------------------------------
+
+
+def counted(
+    a: Admission, computed: int, *, free_kib: int | None = None, cached: int = 0, **engine: object
+) -> None:
+    """An engine report with the prefill counters (and a GPU reading showing ``free_kib`` free, if any)."""
+    free = None if free_kib is None else free_kib * KIB
+    a.update_snapshot(
+        snapshot(
+            a.clock.now(),
+            free_bytes=free,
+            prefill_computed_tokens=computed,
+            prefill_cached_tokens=cached,
+            **engine,
+        )
+    )
+
+
+def quiet(**overrides: object) -> LoadedPolicy:
+    """The lane with a monitor that counts every byte over and leaves the margin alone."""
+    return policy(monitor__min_bytes=0, monitor__tolerance=0.0, monitor__raise_margin=False, **overrides)
+
+
+IDLE_KIB = 20_000
+
+
+def test_a_prefill_s_end_reads_none_of_the_other_prefills(clock: ManualClock, monkeypatch) -> None:
+    """It runs at every gated request's first byte: pricing the others there made a burst of first
+    bytes quadratic in the prefills in flight. The work is done once per engine report instead."""
+    a = Admission(quiet(), clock)
+    counted(a, 0, free_kib=IDLE_KIB)
+    hs = admitted(a, [100] * 64)
+    counted(a, 3_000)  # the first 30 done, the 31st started
+    progress = {p.key: p.done_tokens for p in a.in_flight()}
+    calls: list[str] = []
+
+    def counting(owner: object, name: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: object, **kw: object) -> object:
+            calls.append(name)
+            return original(*args, **kw)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    import sidecar.admission
+
+    counting(Admission, "in_flight")
+    counting(PrefillProgress, "done")
+    counting(PrefillProgress, "prefills")
+    counting(PrefillProgress, "_attribute")
+    counting(sidecar.admission, "in_flight_bytes")
+    # The youngest first: the order that made each end walk every prefill admitted before it.
+    for h in reversed(hs[1:]):
+        if h is hs[40]:
+            h.end(Outcome.CLIENT_GONE)
+        else:
+            h.prefill_done()
+    assert calls == []
+    # Each took its own share into done work: the oldest keeps its progress.
+    assert a.progress.base == 3_000 - 100
+    assert [(p.key, p.done_tokens) for p in a.in_flight()] == [(hs[0]._key, progress[hs[0]._key])]
+    assert calls == ["in_flight", "prefills", "done"]
+
+
+class _OldProgress(PrefillProgress):
+    """The attribution as it was before a prefill's end was O(1): its share from a walk of the list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flight: list[tuple[int, int]] = []
+
+    def admitted(self, key: int, uncached: int) -> None:
+        self.flight.append((key, uncached))
+
+    def left(self, key: int) -> None:
+        keys = [k for k, _ in self.flight]
+        if key not in keys:
+            return
+        i = keys.index(key)
+        shares = self.done([u for _, u in self.flight])
+        if shares is not None and self.base is not None:
+            self.base += shares[i][0]
+        del self.flight[i]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_kept_shares_are_the_attribution_of_a_walk(seed: int) -> None:
+    """The O(1) end against the walk it replaces, through admissions, ends in any order, engine
+    reports (growth, none, a counter that goes back, an idle ledger) and a counter that disappears."""
+    import random
+
+    rnd = random.Random(seed)
+    new, old = PrefillProgress(), _OldProgress()
+    flight: list[tuple[int, int]] = []
+    counter, cached, key, t = 0, 0, 0, 0.0
+    for _ in range(120):
+        op = rnd.random()
+        if op < 0.35:
+            key += 1
+            u = rnd.choice([0, 1, 50, 400, 1_000, 3_000])
+            for p in (new, old):
+                if not flight:
+                    p.started()
+                p.admitted(key, u)
+            flight.append((key, u))
+        elif op < 0.7 and flight:
+            k, _ = flight.pop(rnd.randrange(len(flight)))
+            new.left(k)
+            old.left(k)
+        else:
+            t += 0.5
+            roll = rnd.random()
+            if roll < 0.05:
+                report: tuple[int | None, int | None] = (None, None)
+            elif roll < 0.1:
+                counter, cached = rnd.randrange(counter + 1), cached
+                report = (counter, cached)
+            else:
+                counter += rnd.choice([0, 10, 300, 1_000, 5_000])
+                cached += rnd.choice([0, 0, 100])
+                report = (counter, cached)
+            for p in (new, old):
+                p.observe(*report, t, idle=not flight)
+        assert new.base == old.base
+        us = [u for _, u in flight]
+        assert new.done(us) == old.done(us)
+        if new.base is not None:
+            assert list(new._share.values()) == [s for s, _, _ in new.done(us) or []]
+
+
+def test_the_monitor_expects_the_peaks_that_ended_plus_what_is_in_flight_at_the_reading(
+    clock: ManualClock,
+) -> None:
+    a = Admission(quiet(), clock)
+    counted(a, 0, free_kib=IDLE_KIB)
+    h1, h2, h3 = admitted(a, [4_000, 3_000, 2_000])  # peaks 5,000, 4,000 and 3,000 KiB
+    counted(a, 1_000, free_kib=IDLE_KIB - 1_000)
+    # h1 at 1,000 of 4,000: its next chunk ends at 2,000 tokens (3,000 KiB), and with a full chunk and
+    # more left it fills every batch: the others cannot be running.
+    assert in_flight_bytes(a.in_flight(clock.t), a.watch.priced) == 3_000 * KIB
+    h2.end(Outcome.CLIENT_GONE)  # not the oldest, with the counter present
+    h3.prefill_done()
+    # Both may show at their final peaks beside h1's progress: 4,000 + 3,000 + 3,000.
+    counted(a, 1_000, free_kib=IDLE_KIB - 10_000)
+    assert a.watch.underestimates == 0
+    counted(a, 1_000, free_kib=IDLE_KIB - 10_001)
+    f = a.watch.last
+    assert a.watch.underestimates == 1 and f is not None and f.projected_bytes == 10_000 * KIB
+    # Compared once: after it a drop that is no new low (compared with the window, not the peak since
+    # idle) expects what is in flight only (h1 now at 2,000: 4,000 KiB).
+    counted(a, 2_000, free_kib=IDLE_KIB - 1_000)
+    counted(a, 2_000, free_kib=IDLE_KIB - 4_001)
+    assert a.watch.last is not f and a.watch.last is not None
+    assert a.watch.last.projected_bytes == 4_000 * KIB
+    h1.prefill_done()
+    assert a.guard_state()["prefilling"] == 0
+
+
+def test_prefills_that_never_overlapped_are_expected_one_at_a_time(clock: ManualClock) -> None:
+    a = Admission(quiet(), clock)
+    counted(a, 0, free_kib=IDLE_KIB)
+    for prompt in (4_000, 6_000, 2_000):  # peaks 5,000, 7,000, 3,000 KiB, one after the other
+        (h,) = admitted(a, [prompt])
+        h.prefill_done()
+        h.end(Outcome.COMPLETED)
+    counted(a, 12_000, free_kib=IDLE_KIB - 7_001)
+    f = a.watch.last
+    assert f is not None and f.projected_bytes == 7_000 * KIB
+    # Two that overlapped, then one alone: the pair's sum, the larger.
+    a.watch.last = None
+    h1, h2 = admitted(a, [4_000, 2_000])
+    h1.prefill_done()
+    h2.prefill_done()
+    (h3,) = admitted(a, [6_000])
+    h3.prefill_done()
+    counted(a, 24_000, free_kib=IDLE_KIB - 8_001)
+    f = a.watch.last
+    assert f is not None and f.projected_bytes == 8_000 * KIB
+
+
+def test_a_deferred_reading_keeps_what_ended_for_the_next_one(clock: ManualClock) -> None:
+    a = Admission(quiet(), clock)
+    counted(a, 0, free_kib=IDLE_KIB)
+    h1, h2 = admitted(a, [9_000, 1_000])  # peaks 10,000 and 2,000 KiB
+    counted(a, 1_000, free_kib=IDLE_KIB - 1_000)
+    h2.end(Outcome.CLIENT_GONE)
+    clock.advance(2.0)
+    # A reading with a counter 2 s older: 2 x 1,000 tokens/s x 2 s is more than a chunk, so h1 could be
+    # anywhere up to 6,000 tokens by then (8,000 KiB): the comparison waits for the next report.
+    old = snapshot(clock.t - 2.0, free_bytes=(IDLE_KIB - 7_001) * KIB, prefill_computed_tokens=1_000)
+    a.update_snapshot(old)
+    assert a.watch.last is None
+    # The next report, with the same reading: h1 at 3,000 (its next chunk 5,000 KiB) and h2's 2,000 KiB.
+    fresh = snapshot(clock.t, prefill_computed_tokens=3_000, prefill_cached_tokens=0)
+    a.update_snapshot(replace(old, engine=fresh.engine))
+    f = a.watch.last
+    assert f is not None and f.projected_bytes == 7_000 * KIB
+    h1.prefill_done()
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_what_the_monitor_expects_after_ends_is_never_below_pricing_the_flight_at_each_end(
+    clock: ManualClock, seed: int
+) -> None:
+    """The figure each end used to expect (its peak plus every prefill in flight priced at its
+    progress then), against what the next reading is compared with: never lower, while the engine's
+    counter is the one read at the ends (``LaneWatch._ended`` says why, and what else bounds it)."""
+    import random
+
+    rnd = random.Random(seed)
+    idle = 1_000_000
+    a = Admission(quiet(vram__idle_free_bytes=idle * KIB), clock)
+    computed, flight = 0, []
+    counted(a, 0, free_kib=idle - 900_000)  # the low-water mark: every later drop is compared with the window
+    for _ in range(12):
+        computed += rnd.choice([0, 500, 2_000, 6_000])
+        clock.advance(5.0)  # the counter's own rate stays below the policy's: 0.1 s is no "too old"
+        at = clock.t
+        counted(a, computed, free_kib=idle, prefill_counted_at=at)
+        walked = []
+        for _ in range(10):
+            clock.advance(0.01)
+            if rnd.random() < 0.5 or not flight:
+                flight += admitted(a, [rnd.choice([100, 900, 2_500, 7_000])])
+                continue
+            h = flight.pop(rnd.randrange(len(flight)))
+            assert h.demand is not None
+            if rnd.random() < 0.3:
+                h.end(Outcome.CLIENT_GONE)
+            else:
+                h.prefill_done(measured=False)
+            rest = in_flight_bytes(a.in_flight(clock.t), a.watch.priced)
+            assert rest is not None
+            walked.append(h.demand.projected_bytes + rest)
+        a.watch.last = None
+        counted(a, computed, free_kib=idle - 800_000, prefill_counted_at=at)
+        f = a.watch.last
+        assert f is not None
+        assert f.projected_bytes >= max(walked, default=0)
+
+
+def test_final_bytes_is_the_last_chunk_s_peak_under_the_cost_or_as_admitted_when_larger() -> None:
+    r = rules()
+    d = ask(r, 4_000, "a", cached=1_000)  # 1,000 + 4,000 KiB at its last chunk
+    assert d.projected_bytes == final_bytes(d, r.cost) == 5_000 * KIB
+    assert final_bytes(d, replace(r.cost, margin=1.5)) == 7_500 * KIB
+    assert final_bytes(d, replace(r.cost, margin=0.5)) == 5_000 * KIB
+
+
+# -- the guard's wiring in Admission: what each snapshot feeds it, what an abort records ------------------
+
+
+def test_with_the_counter_a_reading_is_compared_with_the_progress_not_the_final_peak(
+    clock: ManualClock,
+) -> None:
+    a = Admission(quiet(), clock)
+    counted(a, 0, free_kib=IDLE_KIB)
+    admitted(a, [9_000])  # 10,000 KiB at its last chunk
+    counted(a, 1_000, free_kib=IDLE_KIB - 3_001)  # at 1,000 tokens its next chunk peaks at 3,000 KiB
+    f = a.watch.last
+    assert f is not None and f.projected_bytes == 3_000 * KIB and f.request_ids == ("r1",)
+
+
+def test_the_counter_s_cache_hits_bound_a_started_prefill_s_hit(clock: ManualClock) -> None:
+    a = Admission(quiet(), clock)
+    counted(a, 0, cached=200)
+    admitted(a, [5_000])
+    counted(a, 500, cached=1_700)
+    (p,) = a.in_flight()
+    assert (p.done_tokens, p.started, p.cached_bound) == (500, True, 1_500)
+
+
+def test_what_the_counter_grew_by_before_a_prefill_was_admitted_is_not_its_progress(
+    clock: ManualClock,
+) -> None:
+    a = Admission(quiet(), clock)
+    counted(a, 0)
+    (h1,) = admitted(a, [1_000])
+    counted(a, 3_000)  # its 1,000 and 2,000 of work that was not the sidecar's
+    h1.prefill_done()
+    (h2,) = admitted(a, [5_000])
+    assert [(p.done_tokens, p.started) for p in a.in_flight()] == [(0, False)]
+    # One admitted while another is in flight comes after it: what is counted stays the older one's.
+    admitted(a, [2_000])
+    counted(a, 4_000)
+    assert [p.done_tokens for p in a.in_flight()] == [1_000, 0]
+    assert h2.outcome is None
+
+
+def test_without_a_measured_rate_the_allowance_is_twice_the_policy_s_even_below_a_token_a_second(
+    clock: ManualClock,
+) -> None:
+    a = Admission(policy(hold__prefill_tokens_per_s=0.5), clock)
+    counted(a, 0)
+    admitted(a, [9_000])
+    counted(a, 1_000)
+    (p,) = a.in_flight(clock.t + 10.0)
+    assert p.done_tokens == 1_000 + 10 + 1_000  # 2 x 0.5 tokens/s x 10 s, and a chunk
+
+
+def test_a_reading_newer_than_the_counter_takes_the_progress_the_lane_can_have_made_since(
+    clock: ManualClock,
+) -> None:
+    """The counter's own time (``prefill_counted_at``), not the report's, is what it is advanced from."""
+    a = Admission(quiet(), clock)
+    counted(a, 0, free_kib=IDLE_KIB)
+    admitted(a, [9_000])
+    read_at = clock.t
+    counted(a, 1_000, free_kib=IDLE_KIB - 1_000, prefill_counted_at=read_at)
+    clock.advance(0.25)
+    # 2 x 1,000 tokens/s x 0.25 s and a chunk beyond the 1,000 counted: its next chunk may end at
+    # 3,500 tokens (4,500 KiB); not too old to compare (500 tokens since, under a chunk).
+    counted(a, 1_000, free_kib=IDLE_KIB - 4_500, prefill_counted_at=read_at)
+    assert a.watch.last is None
+    counted(a, 1_000, free_kib=IDLE_KIB - 4_501, prefill_counted_at=read_at)
+    f = a.watch.last
+    assert f is not None and f.projected_bytes == 4_500 * KIB
+
+
+def test_with_no_prefill_in_flight_the_counter_s_age_defers_nothing(clock: ManualClock) -> None:
+    a = Admission(quiet(), clock)
+    counted(a, 0, free_kib=IDLE_KIB)
+    (h,) = admitted(a, [4_000])  # 5,000 KiB at its last chunk
+    h.prefill_done()
+    clock.advance(10.0)
+    counted(a, 4_000, free_kib=IDLE_KIB - 5_001, prefill_counted_at=clock.t - 10.0)
+    f = a.watch.last
+    assert f is not None and f.projected_bytes == 5_000 * KIB
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.decisions: list[tuple[Decision, Demand, float, object]] = []
+
+    def decision(self, d: Decision, dem: Demand, waited_s: float, ledger: object) -> None:
+        self.decisions.append((d, dem, waited_s, ledger))
+
+    def outcome(self, outcome: Outcome) -> None:
+        pass
+
+
+def test_aborts_are_answered_before_a_held_request_is_let_in_and_each_is_recorded(clock: ManualClock) -> None:
+    seen = _Seen()
+    a = Admission(policy(), clock, observer=seen)
+    a.update_snapshot(snapshot(clock.t))
+    hs = []
+    for i in range(3):
+        h = a.open()
+        assert h.submit(ask(a.rules, 5_000, f"r{i + 1}", at=clock.t - 1.5)) is Action.ADMIT
+        hs.append(h)
+    order: list[str] = []
+    for h in hs:
+        h.on_overrun(lambda h: order.append(f"abort {h.demand.request_id}"))
+    held = a.open()
+    assert (
+        held.submit(ask(a.rules, 2_000, "held", at=clock.t), lambda h: order.append("answer held"))
+        is Action.HOLD
+    )
+    before = a.ledger.totals
+    # At margin 1.7 each prefill peaks at 10,200 KiB: one fits the 20,000 KiB room; the held one's
+    # 5,100 fits beside it only once both younger prefills are gone.
+    a.reload(policy(cost__margin=1.7))
+    assert order == ["abort r3", "abort r2", "answer held"]
+    assert held.admitted and hs[0].outcome is None
+    state = a.guard_state()
+    assert state["aborted"] == 2 and state["aborted_unfit"] == 0
+    # Each abort is recorded with its request, its wait and the ledger it was decided on.
+    r3 = next(x for x in seen.decisions if x[1].request_id == "r3" and not x[0].admitted)
+    assert r3 == (hs[2].decision, hs[2].demand, 1.5, before)
+    r2 = next(x for x in seen.decisions if x[1].request_id == "r2" and not x[0].admitted)
+    assert r2[0].reason is Reason.PREFILL_OVERRUN and r2[3].requests == 2
+
+
+def test_the_counts_of_aborts_add_up_across_events(clock: ManualClock) -> None:
+    a = Admission(policy(), clock)
+    a.update_snapshot(snapshot(clock.t))
+    (big,) = admitted(a, [15_000])
+    a.reload(policy(cost__margin=1.5))  # 24,000 KiB: more than the lane ever has
+    assert big.outcome is Outcome.PREFILL_OVERRUN and a.guard_state()["aborted_unfit"] == 1
+    a.reload(policy())
+    hs = admitted(a, [5_000, 5_000, 5_000])
+    a.reload(policy(cost__margin=1.2))
+    assert [h.outcome for h in hs] == [None, None, Outcome.PREFILL_OVERRUN]
+    state = a.guard_state()
+    assert state["aborted"] == 2 and state["aborted_unfit"] == 1
+
+
+def test_a_shell_that_fails_to_abort_is_logged_and_one_without_a_callback_is_not(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = Admission(policy(), clock)
+    a.update_snapshot(snapshot(clock.t))
+    hs = admitted(a, [5_000, 5_000, 5_000, 1_000])
+
+    def broken(h: object) -> None:
+        raise RuntimeError("upstream gone")
+
+    hs[2].on_overrun(broken)
+    with caplog.at_level("ERROR", logger="sidecar.admission"):
+        a.reload(policy(cost__margin=1.7))  # r4 and r3 (then r2) no longer fit; only r3 has a callback
+    assert [h.outcome for h in hs] == [
+        None,
+        Outcome.PREFILL_OVERRUN,
+        Outcome.PREFILL_OVERRUN,
+        Outcome.PREFILL_OVERRUN,
+    ]
+    failed = [r for r in caplog.records if r.name == "sidecar.admission"]
+    assert [r.getMessage() for r in failed] == ["the shell failed to abort r3 upstream"]
+    assert failed[0].exc_info is not None and failed[0].exc_info[0] is RuntimeError
+
+
+def test_the_state_gives_the_last_abort_s_age_in_milliseconds(clock: ManualClock) -> None:
+    a = Admission(policy(), clock)
+    a.update_snapshot(snapshot(clock.t))
+    admitted(a, [5_000, 5_000, 5_000])
+    a.reload(policy(cost__margin=1.2))
+    clock.advance(1.23456)
+    assert a.guard_state()["last"]["age_s"] == 1.235

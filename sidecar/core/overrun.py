@@ -179,6 +179,14 @@ def in_flight_bytes(prefills: Sequence[Prefill], cost: CostModel) -> int | None:
     return total
 
 
+def final_bytes(d: Demand, cost: CostModel) -> int:
+    """The most :func:`in_flight_bytes` can ever count for this prefill: its last chunk's peak under
+    ``cost`` (``project_at_progress`` grows with the progress to it), or as priced at its admission
+    when that is larger. What the monitor expects from a prefill that ended (``LaneWatch.left``)."""
+    at_end = project_at_progress(cost, d.prompt_tokens, d.uncached_tokens, d.chunk_size, d.prompt_tokens, 0)
+    return max(d.projected_bytes, at_end)
+
+
 class PrefillProgress:
     """The engine's prefill counters attributed to the in-flight prefills, first come first served.
 
@@ -190,6 +198,14 @@ class PrefillProgress:
     (first byte, abort, failure) takes the share attributed to it then into ``base``; with nothing in
     flight ``base`` follows the counter; a counter that went backwards (a restarted engine) restarts
     it. The cache counter's growth over the same time bounds any started prefill's cache hit.
+
+    A prefill's end runs at every gated request's first byte, so it is O(1): each in-flight prefill's
+    share is kept (``admitted``, ``left``, ledger keys in admission order) and attributed again only
+    when the counter or ``base`` moves otherwise (``observe``, ``started``). Between two of those the
+    shares cannot change: a newcomer comes last and takes what is spare; a prefill that leaves takes
+    its share into ``base``, which lowers the counted tokens by exactly that share, and a share is
+    non-zero only when every prefill before it is full, so those before it stay full and those after
+    it keep theirs (``done``, the same attribution from a list, is what they are tested against).
 
     A counter read at ``counter_at`` is older than a GPU reading at ``now``: the engine may have
     computed up to ``allowance_rate`` tokens per second since (the caller's figure, or twice the rate
@@ -206,6 +222,11 @@ class PrefillProgress:
         self.base_cached = 0
         # The compute counter's growth rate over the last interval between two reports (tokens/s).
         self.rate = 0.0
+        # The in-flight prefills (ledger key -> uncached tokens, admission order), the counted tokens
+        # attributed to each, and those beyond them all (the next admitted prefill's first).
+        self._uncached: dict[int, int] = {}
+        self._share: dict[int, int] = {}
+        self._spare = 0
 
     def observe(self, counter: int | None, cached: int | None, at: float, idle: bool) -> None:
         """A new engine report (``counter`` None: the engine does not export it)."""
@@ -215,16 +236,26 @@ class PrefillProgress:
         restarted = self.counter is not None and (
             counter < self.counter or (cached or 0) < (self.cached or 0)
         )
-        if self.base is None or idle or restarted:
-            self.base, self.base_cached = counter, cached or 0
+        base = self.base
+        if base is None or idle or restarted:
+            base, self.base_cached = counter, cached or 0
         if self.counter is not None and self.counter_at is not None and at > self.counter_at:
             self.rate = max(0.0, (counter - self.counter) / (at - self.counter_at))
-        self.counter, self.cached, self.counter_at = counter, cached, at
+        self.base, self.counter, self.cached, self.counter_at = base, counter, cached, at
+        self._attribute(counter - base)
 
     def started(self) -> None:
         """The first prefill of an idle ledger was admitted: what the counters show now is older work."""
         if self.counter is not None:
             self.base, self.base_cached = self.counter, self.cached or 0
+            self._attribute(0)
+
+    def admitted(self, key: int, uncached: int) -> None:
+        """A prefill was admitted (``key`` larger than any in flight): it comes after them all."""
+        self._uncached[key] = uncached
+        share = min(max(0, uncached), self._spare)
+        self._share[key] = share
+        self._spare -= share
 
     def too_old(self, at: float, allowance_rate: float, chunk: int) -> bool:
         """Whether the counter is older than a reading taken at ``at`` by more than the lane takes to
@@ -274,11 +305,21 @@ class PrefillProgress:
             out.append(Prefill(k, d, reach, share > 0, bound))
         return out
 
-    def left(self, uncached: Sequence[int], index: int) -> None:
-        """The prefill at ``index`` of ``uncached`` left: its share so far is done work."""
-        shares = self.done(uncached)
-        if shares is not None and self.base is not None:
-            self.base += shares[index][0]
+    def left(self, key: int) -> None:
+        """The prefill ``key`` (admitted) left (its first byte, an abort, a failure): its share so far is
+        done work. O(1): the others keep their shares (the class docstring says why)."""
+        del self._uncached[key]
+        share = self._share.pop(key)
+        if self.base is not None:
+            self.base += share
+
+    def _attribute(self, counted: int) -> None:
+        """Each in-flight prefill's share of the ``counted`` tokens, the oldest first (as ``done``)."""
+        for key, u in self._uncached.items():
+            share = min(max(0, u), max(0, counted))
+            self._share[key] = share
+            counted -= share
+        self._spare = max(0, counted)
 
 
 def _mib(n: int) -> str:
