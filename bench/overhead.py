@@ -658,7 +658,9 @@ def print_table(rows: list[dict], tg: list[dict], lags: dict[str, dict], micro: 
             f"{fmt(r['added_inter_event_p99_ms']):>9}{fmt(r['peak_rss_bytes'], 1e-6, 0):>12}{r['errors'] or 0:>5}"
         )
     print("\nsidecar event-loop lag (1 ms probe), per phase: " + ", ".join(
-        f"{k} max {fmt(v.get('max_ms'))} ms ({v.get('over_5ms', 0)} > 5 ms)" for k, v in lags.items()
+        f"{k} max {fmt(v.get('max_ms'))} ms ({v.get('over_5ms', 0)} > 5 ms; longest gc pause "
+        f"{fmt(v.get('gc_max_ms'))} ms, {v.get('gc_full_collections', 0)} full)"
+        for k, v in lags.items()
     ))  # fmt: skip
     if micro:
         print(f"decision in-process: p50 {micro['p50_us']:.1f} µs, p99 {micro['p99_us']:.1f} µs")

@@ -1,9 +1,11 @@
 """``sglang-sidecar serve`` with an event-loop lag probe, for the overhead benchmark only.
 
 Runs the real CLI (same policy, same pollers, same uvicorn settings) and wraps the ASGI app it builds:
-a task sleeps 1 ms in a loop and records how late it wakes, i.e. how long the loop was blocked. The
-benchmark reads and resets the figures at ``GET /__bench/lag`` between phases, so a stall can be
-attributed to the shape that ran (the target: none over 5 ms while the signals are polled).
+a task sleeps 1 ms in a loop and records how late it wakes, i.e. how long the loop was blocked, and a
+``gc.callbacks`` hook records the garbage collector's pauses (a collection holds the GIL: a stall as long
+as one of them is the collector's). The benchmark reads and resets the figures at ``GET /__bench/lag``
+between phases, so a stall can be attributed to the shape that ran (the target: none over 5 ms while
+the signals are polled).
 
     python bench/probed_sidecar.py serve --upstream ... (the arguments of ``sglang-sidecar serve``)
 """
@@ -11,8 +13,10 @@ attributed to the shape that ran (the target: none over 5 ms while the signals a
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
+import time
 from typing import Any
 
 import sidecar.cli
@@ -23,6 +27,17 @@ TICK_S = 0.001
 class LagProbe:
     def __init__(self) -> None:
         self.lags: list[float] = []
+        # The garbage collector's pauses (any thread's; a collection holds the GIL, so it stalls the loop
+        # too): a stall as long as one of them is the collector's, not the request path's.
+        self.gc_pauses: list[tuple[int, float]] = []
+        self._gc_started = 0.0
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_pauses.append((info["generation"], time.perf_counter() - self._gc_started))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -33,6 +48,7 @@ class LagProbe:
 
     def take(self) -> dict[str, Any]:
         lags, self.lags = sorted(self.lags), []
+        pauses, self.gc_pauses = self.gc_pauses, []
         if not lags:
             return {"samples": 0}
         return {
@@ -40,6 +56,11 @@ class LagProbe:
             "max_ms": 1000 * lags[-1],
             "p99_ms": 1000 * lags[int(0.99 * (len(lags) - 1))],
             "over_5ms": sum(1 for v in lags if v > 0.005),
+            "gc_collections": len(pauses),
+            "gc_full_collections": sum(1 for g, _ in pauses if g == 2),
+            "gc_max_ms": 1000 * max((d for _, d in pauses), default=0.0),
+            # Objects start-up moved out of the collector's sight (``cli._freeze_startup_objects``).
+            "gc_frozen": gc.get_freeze_count(),
         }
 
 
