@@ -363,7 +363,12 @@ async def test_impossible_engine_values_are_a_failed_read(tmp_path: Path, case: 
     engine = BrokenMetricsEngine()
     async with lane(tmp_path, engine, **STALE) as (url, app, _):
         async with httpx.AsyncClient(timeout=10) as client:
-            assert (await client.get(url + "/readyz")).status_code == 200
+            # Ready first (a good read younger than 0.3 s): waited for, not read at one instant, which a
+            # loaded machine's slow poll or loop stall makes a 503 before anything is broken.
+            async def ready() -> bool:
+                return (await client.get(url + "/readyz")).status_code == 200
+
+            await eventually(ready)
             engine.metrics = text
 
             async def stale() -> bool:
