@@ -59,7 +59,7 @@ class SidecarApp:
         max_connections: int = 1024,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 1800.0,
-        upstream_client: str = "aiohttp",
+        upstream_client: str = "lean",
         trust_emulator_sizes: bool = False,
         admin_on_data_port: bool = False,
         host_check: HostCheck | None = None,

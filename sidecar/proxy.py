@@ -68,14 +68,14 @@ def make_session(
     read_timeout_s: float,
     *,
     upstream: str | None = None,
-    client: str = "aiohttp",
+    client: str = "lean",
 ) -> aiohttp.ClientSession | UpstreamClient:
     """One session for the process, created inside the running loop (the app's lifespan).
 
-    ``client="lean"``: ``sidecar/upstream.py``'s client for ``upstream``, which raises aiohttp's
-    exception classes, so the error mapping below holds for both."""
-    if client == "lean":
-        assert upstream is not None, "the lean client serves one engine: its URL is needed"
+    ``client="lean"`` (the default): ``sidecar/upstream.py``'s client for ``upstream``, which raises
+    aiohttp's exception classes, so the error mapping below holds for both. It speaks plain HTTP/1.1
+    only: an ``https://`` engine (or no ``upstream`` given) gets aiohttp's session."""
+    if client == "lean" and upstream is not None and upstream.startswith("http://"):
         return UpstreamClient(
             upstream,
             max_connections=max_connections,

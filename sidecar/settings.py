@@ -90,14 +90,13 @@ class Settings(BaseSettings):
     upstream_connect_timeout_s: float = _opt(
         5.0, gt=0, help="time to connect to the upstream before 503 engine_unavailable", metavar="S"
     )
-    # sidecar/upstream.py: the same relay for less CPU than aiohttp's client (on 2 cores 1.7-2.3x less on
-    # the floor's path, 1.1-1.7x less for the sidecar: bench/results/floor-variants.md); opt-in until a
-    # quiet-host run and production use say so.
-    upstream_client: Literal["aiohttp", "lean"] = _opt(
-        "aiohttp",
-        help="the HTTP client to the engine: aiohttp, or lean (asyncio + httptools, sidecar/upstream.py, "
-        "http:// engines only: "
-        "the same timeouts, limits and errors for less CPU per request; experimental)",
+    # sidecar/upstream.py: the same relay for less CPU than aiohttp's client (on 2 cores 40-45 % less per
+    # pass-through request, about a fifth less per SSE event: bench/results/floor-variants.md). aiohttp
+    # stays selectable, and carries https:// engines (the lean client speaks plain HTTP/1.1 only).
+    upstream_client: Literal["lean", "aiohttp"] = _opt(
+        "lean",
+        help="the HTTP client to the engine: lean (asyncio + httptools, sidecar/upstream.py: less CPU per "
+        "request) or aiohttp (the earlier client; an https:// engine is always reached through it)",
     )
     # SIGTERM: stop admitting, let in-flight streams finish for up to this long.
     drain_timeout_s: float = _opt(

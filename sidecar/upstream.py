@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import re
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -44,7 +45,11 @@ BUFFER_HIGH = 256 * 1024
 # A body below this goes out in one write with the head (joined); a larger one after it, uncopied.
 INLINE_BODY = 64 * 1024
 _BODILESS_STATUS = frozenset({204, 304})
-_FORBIDDEN = ("\r", "\n", "\x00")
+# RFC 9110 9.2.2 (aiohttp's list): these may be sent again on a fresh connection when a reused one was stale.
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+_FORBIDDEN = re.compile(rb"[\r\n\x00]")
+_FORBIDDEN_TARGET = re.compile(rb"[\x00-\x20\x7f]")
+_OURS = frozenset((b"host", b"transfer-encoding"))
 
 
 class UnreachableError(aiohttp.ClientConnectorError):
@@ -152,6 +157,9 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.bodiless = False
         self.reusable = False
+        self.reused = False  # taken from the pool (it may have gone stale there)
+        self.answered = False  # a byte of this exchange's answer came
+        self._stray = False  # a second answer began in this exchange: out of step
         self._headers: list[tuple[bytes, bytes]] = []
         self._interim = False
         self._framed = False
@@ -188,7 +196,9 @@ class _Conn(asyncio.Protocol):
                 aiohttp.ServerDisconnectedError("the engine closed the connection before its answer")
             )
         elif not self._complete:
-            if not self._framed:  # neither length nor chunking: the body ends where the connection does
+            if not self._framed and exc is None:
+                # neither length nor chunking: the body ends where the connection does (a clean EOF;
+                # a reset is a break, as aiohttp reads it)
                 self._complete = True
                 resp._end()
             else:
@@ -207,22 +217,32 @@ class _Conn(asyncio.Protocol):
         if self.response is None:  # nothing asked: the connection is out of step; drop it
             self.transport.close()  # type: ignore[union-attr]
             return
+        self.answered = True
         if self._deadline is not None:
             self._deadline = self.loop.time() + self.pool.read_timeout_s  # type: ignore[operator]
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self._fail(aiohttp.ClientPayloadError(f"the engine's answer is not HTTP/1.1: {e}"))
-            return
+            if not self._complete:
+                self._fail(aiohttp.ClientPayloadError(f"the engine's answer is not HTTP/1.1: {e}"))
+                return
+            self.reusable = False  # junk after a whole answer: the answer stands, the connection goes
         if self._complete:
             self._finished()
 
     # -- httptools ----------------------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self._complete:  # more than one answer to one request: never reuse this connection
+            self._stray = True
+            self.reusable = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._stray:
+            return
         status = self.parser.get_status_code()
         if 100 <= status < 200:
             self._interim = True  # 100 Continue and the like: the answer follows
@@ -246,6 +266,8 @@ class _Conn(asyncio.Protocol):
             self.response._data(body)  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
+        if self._stray:
+            return
         if self._interim:
             self._interim = False
             return
@@ -258,16 +280,17 @@ class _Conn(asyncio.Protocol):
     def send(self, head: bytes, response: Response, bodiless: bool) -> asyncio.Future[None]:
         self.response = response
         self.bodiless = bodiless
-        self.reusable = False
+        self.reusable = self.answered = self._stray = False
         self._headers = []
         self._complete = self._framed = self._interim = False
         self.head = self.loop.create_future()
+        t = self.transport
+        if t is None or t.is_closing():
+            raise _NotSent("the engine's connection closed before the request was written")
         try:
-            self.transport.write(head)  # type: ignore[union-attr]
+            t.write(head)
         except RuntimeError:  # the transport closed under us (the engine went between checks)
-            raise aiohttp.ServerDisconnectedError(
-                "the engine's connection closed before the request"
-            ) from None
+            raise _NotSent("the engine's connection closed before the request was written") from None
         self._arm_read()
         return self.head
 
@@ -343,11 +366,21 @@ class _Conn(asyncio.Protocol):
             self._timer = None
 
 
+class _NotSent(aiohttp.ServerDisconnectedError):
+    """The connection was found closed before a byte of the request went out on it."""
+
+
 class _Exchange:
     """``async with client.request(...) as resp``: the connection is taken and the request sent on
     entry (which returns once the head is in); on exit a fully read answer returns its connection to
     the pool, anything else (an error, a cancellation, a body left unread) closes it, so the engine
-    sees the request go."""
+    sees the request go.
+
+    A pooled connection can go stale between its last answer and its next request (the engine closed
+    it, and its EOF is still in flight): the request is tried once more on a fresh connection when
+    nothing of it was written, or, for an idempotent method with a body we still hold, when the reused
+    connection closed before any byte of the answer (RFC 9112 9.3.1; aiohttp's client does the same).
+    A generation request (POST) that may have reached the engine is never sent twice."""
 
     __slots__ = (
         "_bodiless",
@@ -355,6 +388,7 @@ class _Exchange:
         "_client",
         "_conn",
         "_head",
+        "_idempotent",
         "_inline",
         "_response",
         "_stream",
@@ -362,7 +396,14 @@ class _Exchange:
     )
 
     def __init__(
-        self, client: UpstreamClient, head: bytes, inline: Any, stream: Any, chunked: bool, bodiless: bool
+        self,
+        client: UpstreamClient,
+        head: bytes,
+        inline: Any,
+        stream: Any,
+        chunked: bool,
+        bodiless: bool,
+        idempotent: bool,
     ) -> None:
         self._client = client
         self._head = head
@@ -370,30 +411,42 @@ class _Exchange:
         self._stream = stream  # an async iterator body, written by a task of its own
         self._chunked = chunked
         self._bodiless = bodiless
+        self._idempotent = idempotent
         self._conn: _Conn | None = None
         self._response: Response | None = None
         self._writer: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Response:
-        conn = self._conn = await self._client._acquire()
-        resp = self._response = Response(conn)
-        try:
-            head = conn.send(self._head, resp, self._bodiless)
-            if self._inline is not None:
-                conn.transport.write(self._inline)  # type: ignore[union-attr]
+        retry = True
+        while True:
+            conn = self._conn = await self._client._acquire()
+            resp = self._response = Response(conn)
+            try:
+                head = conn.send(self._head, resp, self._bodiless)
+                if self._inline is not None:
+                    conn.transport.write(self._inline)  # type: ignore[union-attr]
+                if self._stream is not None:
+                    # Written beside the wait for the head, as aiohttp does: an engine may answer (413,
+                    # 400) before it has read the whole body.
+                    self._writer = asyncio.get_running_loop().create_task(
+                        _write(conn, self._stream, self._chunked)
+                    )
+                    self._stream = None
+                await head
+            except aiohttp.ServerDisconnectedError as e:
+                self._close()
+                if retry and (
+                    isinstance(e, _NotSent)
+                    or (conn.reused and not conn.answered and self._idempotent and self._writer is None)
+                ):
+                    retry = False
+                    continue
+                raise
+            except BaseException:
+                self._close()
+                raise
             self._head = self._inline = None  # type: ignore[assignment]
-            if self._stream is not None:
-                # Written beside the wait for the head, as aiohttp does: an engine may answer (413, 400)
-                # before it has read the whole body.
-                self._writer = asyncio.get_running_loop().create_task(
-                    _write(conn, self._stream, self._chunked)
-                )
-                self._stream = None
-            await head
-        except BaseException:
-            self._close()
-            raise
-        return resp
+            return resp
 
     async def __aexit__(self, *exc: object) -> None:
         conn, resp, writer = self._conn, self._response, self._writer
@@ -508,20 +561,32 @@ class UpstreamClient:
         target = self._target(url)
         m = method.upper()
         parts = [m.encode("ascii"), b" ", target, b" HTTP/1.1\r\nHost: ", self.host_header, b"\r\n"]
+        first = len(parts)
         has_length = False
         for k, v in _items(headers):
-            ks = k if isinstance(k, str) else k.decode("latin-1")
-            vs = v if isinstance(v, str) else v.decode("latin-1")
-            if any(c in ks or c in vs for c in _FORBIDDEN) or not ks or ":" in ks:
-                raise ValueError(f"header {ks!r} has a character no HTTP/1.1 header may carry")
-            lk = ks.lower()
-            if lk == "host":
-                continue
-            if lk == "content-length":
+            # bytes as given (the proxy relays the client's header bytes); str as UTF-8, as aiohttp does
+            kb = k if k.__class__ is bytes else k.encode("utf-8")
+            vb = v if v.__class__ is bytes else v.encode("utf-8")
+            if not kb or b":" in kb:
+                raise ValueError(f"{kb!r} is not a header name")
+            lk = kb.lower()
+            if lk in _OURS:
+                continue  # Host is ours; we frame the body ourselves
+            if lk == b"content-length":
                 has_length = True
-            if lk == "transfer-encoding":
-                continue  # we frame the body ourselves
-            parts += (ks.encode("latin-1"), b": ", vs.encode("utf-8"), b"\r\n")
+            parts += (kb, b": ", vb, b"\r\n")
+        lines = (len(parts) - first) // 4
+        if lines:
+            # One CR, one LF per header line and no NUL, or a header would split the request (or be cut
+            # short): counted over all of them at once (C speed), the culprit named only when one fails.
+            block = b"".join(parts[first:])
+            if block.count(b"\n") != lines or block.count(b"\r") != lines or b"\x00" in block:
+                bad = next(
+                    parts[i]
+                    for i in range(first, len(parts), 4)
+                    if _FORBIDDEN.search(parts[i + 2] + parts[i])
+                )
+                raise ValueError(f"header {bad!r} has a character no HTTP/1.1 header may carry")
         inline = stream = None
         chunked = False
         if data is None:
@@ -542,20 +607,27 @@ class UpstreamClient:
                 chunked = True
             parts.append(b"\r\n")
             stream = data
-        return _Exchange(self, b"".join(parts), inline, stream, chunked, m == "HEAD")
+        return _Exchange(self, b"".join(parts), inline, stream, chunked, m == "HEAD", m in _IDEMPOTENT)
 
     def _target(self, url: Any) -> bytes:
-        if isinstance(url, str):
-            if url.startswith("/"):
-                return url.encode("latin-1")
-            rest = url[len(self.origin) :] if url.startswith(self.origin) else None
-            if rest is not None and rest[:1] in ("", "/", "?"):
-                return ("/" + rest if rest[:1] != "/" else rest).encode("latin-1")
-            raise ValueError(f"{url!r} is not on the engine at {self.origin}")
-        # yarl.URL: its path and query as given (``URL(..., encoded=True)`` keeps them raw)
-        if f"{url.scheme}://{url.raw_authority}" != self.origin:
-            raise ValueError(f"{url} is not on the engine at {self.origin}")
-        return (url.raw_path_qs or "/").encode("latin-1")
+        """The request target, origin-form, refused when it holds a byte no request line may carry."""
+        if url.__class__ is bytes:  # as the proxy builds it from the client's request
+            target = url
+        elif isinstance(url, str):
+            rest = url if url.startswith("/") else None
+            if rest is None and url.startswith(self.origin):
+                rest = url[len(self.origin) :]
+                rest = rest if rest[:1] == "/" else "/" + rest if rest[:1] in ("", "?") else None
+            if rest is None:
+                raise ValueError(f"{url!r} is not on the engine at {self.origin}")
+            target = rest.encode("latin-1")
+        else:  # yarl.URL: its path and query as given (``URL(..., encoded=True)`` keeps them raw)
+            if f"{url.scheme}://{url.raw_authority}" != self.origin:
+                raise ValueError(f"{url} is not on the engine at {self.origin}")
+            target = (url.raw_path_qs or "/").encode("latin-1")
+        if not target.startswith(b"/") or _FORBIDDEN_TARGET.search(target):
+            raise ValueError(f"{target!r} is not an origin-form request target")
+        return target
 
     # -- the pool -----------------------------------------------------------------------------------
 
@@ -569,6 +641,7 @@ class UpstreamClient:
                 if conn.eof or conn.transport.is_closing() or now - conn.idle_since >= self.keepalive_s:  # type: ignore[union-attr]
                     conn.transport.close()  # type: ignore[union-attr]
                     continue
+                conn.reused = True
                 self._busy.add(conn)
                 return conn
             if len(self._busy) + self._connecting < self.max_connections:
@@ -577,6 +650,10 @@ class UpstreamClient:
             self._waiters.append(waiter)
             try:
                 await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken for a free slot, then cancelled: the turn passes on
+                raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
@@ -610,8 +687,14 @@ class UpstreamClient:
         if self._closed or conn.eof:
             conn.transport.close()  # type: ignore[union-attr]
         else:
-            conn.idle_since = self.loop.time()
-            self._idle.append(conn)
+            idle = self._idle
+            conn.idle_since = now = self.loop.time()
+            idle.append(conn)
+            # Idle connections are taken from the top (the freshest); those left at the bottom past
+            # keepalive_s are closed here, so a burst's connections do not stay open (fds on both sides)
+            # until the engine closes them.
+            while idle and idle[0].idle_since <= now - self.keepalive_s:
+                idle.pop(0).transport.close()  # type: ignore[union-attr]
         self._wake_one()
 
     def _forget(self, conn: _Conn) -> None:

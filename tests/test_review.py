@@ -559,7 +559,7 @@ async def test_exception_inside_send_still_ends_the_ticket(tmp_path: Path) -> No
     a.update_snapshot(snapshot(loop.time(), free_bytes=10 * MIB))
     async with serve(engine) as engine_url:
         proxy = Proxy(engine_url, a, PromptCounter())
-        proxy.session = make_session(16, 5.0, 30.0)
+        proxy.session = make_session(16, 5.0, 30.0, upstream=engine_url)
         try:
             body = json.dumps(gen(rid="boom")).encode()
             messages = [{"type": "http.request", "body": body, "more_body": False}]

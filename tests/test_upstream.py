@@ -446,17 +446,25 @@ async def test_a_slow_reader_pauses_the_engine_instead_of_buffering_its_answer()
 # -- the proxy, unchanged, on this client -----------------------------------------------------------------
 
 
-async def test_the_proxy_relays_through_this_client_and_the_engine_sees_a_leaver_go(tmp_path: Any) -> None:
-    """The sidecar with ``upstream_client="lean"``: a stream relays, hop-by-hop headers go, and a client
-    that leaves mid-stream aborts the engine's request and clears the ledger (test_proxy's cases)."""
+@pytest.mark.parametrize("kind", ["lean", "aiohttp"])
+async def test_the_proxy_relays_through_either_client_and_the_engine_sees_a_leaver_go(
+    tmp_path: Any, kind: str
+) -> None:
+    """The sidecar on the default client (lean) and on aiohttp's (``--upstream-client aiohttp``): a
+    stream relays, hop-by-hop headers go, and a client that leaves mid-stream aborts the engine's request
+    and clears the ledger (test_proxy's cases, which run on the default)."""
     import httpx
 
     from tests.harness import gen, lane
 
     fake = FakeEngine(events=3)
-    lean = {"upstream_client": "lean"}
-    async with lane(tmp_path, fake, app_kwargs=lean) as (url, app, _), httpx.AsyncClient(timeout=10) as http:
-        assert isinstance(app.proxy.session, UpstreamClient)
+    chosen = {"upstream_client": kind}
+    async with (
+        lane(tmp_path, fake, app_kwargs=chosen) as (url, app, _),
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        want = UpstreamClient if kind == "lean" else aiohttp.ClientSession
+        assert isinstance(app.proxy.session, want)
         fake.release.set()
         r = await http.post(url + "/generate", json=gen(rid="whole"))
         assert r.status_code == 200 and r.headers["x-admission-decision"] == "admit"
@@ -469,3 +477,241 @@ async def test_the_proxy_relays_through_this_client_and_the_engine_sees_a_leaver
         await eventually(lambda: app.admission.ledger.totals.requests == 0)
         models = await http.get(url + "/v1/models")
         assert models.status_code == 200 and "x-hop" not in models.headers and "set-cookie" in models.headers
+
+
+async def test_lean_is_the_default_and_an_https_engine_is_reached_through_aiohttp() -> None:
+    from sidecar.proxy import make_session
+    from sidecar.settings import Settings
+
+    assert Settings(upstream="http://127.0.0.1:30000", policy="p.yaml").upstream_client == "lean"
+    for upstream, client_kind, want in (
+        ("http://127.0.0.1:30000", "lean", UpstreamClient),
+        ("https://engine.internal:30000", "lean", aiohttp.ClientSession),  # the lean client has no TLS
+        ("http://127.0.0.1:30000", "aiohttp", aiohttp.ClientSession),
+    ):
+        session = make_session(4, 1.0, 1.0, upstream=upstream, client=client_kind)
+        try:
+            assert isinstance(session, want), (upstream, client_kind)
+        finally:
+            await session.close()
+
+
+# -- the hostile review's cases ------------------------------------------------------------------------
+
+
+def closes_each_connection_on_its_second_request(methods: list[str]) -> Answer:
+    """An engine that closed a kept-alive connection just as the next request went out on it (its idle
+    timer and our request crossed): the second request on every connection gets EOF, no answer."""
+    seen: dict[int, int] = {}
+
+    async def answer(reader: Any, writer: asyncio.StreamWriter, req: dict[str, Any]) -> bool:
+        n = seen[id(writer)] = seen.get(id(writer), 0) + 1
+        methods.append(req["method"])
+        if n == 2:
+            return False
+        return await ok()(reader, writer, req)
+
+    return answer
+
+
+async def test_a_stale_pooled_connection_is_retried_once_for_an_idempotent_request_only() -> None:
+    """GET (idempotent) goes out again on a fresh connection; POST (a generation) that may have reached
+    the engine is never sent twice: it fails as the proxy's 502, as aiohttp's client does."""
+    methods: list[str] = []
+    async with engine(closes_each_connection_on_its_second_request(methods)) as e, client(e.url) as c:
+        assert await get(c, e.url + "/v1/models") == (200, b"ok")
+        assert await get(c, e.url + "/v1/models") == (200, b"ok")  # stale, then a fresh connection
+        assert e.connections == 2 and methods == ["GET", "GET", "GET"]
+        with pytest.raises(aiohttp.ServerDisconnectedError) as info:
+            await get(c, e.url + "/generate", "POST", data=b"{}")  # on the fresh one's second request
+        assert methods == ["GET", "GET", "GET", "POST"] and e.connections == 2
+        assert _upstream_error(info.value, "http://engine")[0] == 502
+
+    # A fresh connection that closes before its answer is not retried: only a reused one can have gone
+    # stale; a fresh one closing says something about the request (aiohttp would send it twice).
+    async def hang_up(reader: Any, writer: Any, req: dict[str, Any]) -> bool:
+        return False
+
+    async with engine(hang_up) as e, client(e.url) as c:
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await get(c, e.url + "/v1/models")
+        assert len(e.requests) == 1 and e.connections == 1
+
+
+async def test_a_request_is_taken_to_a_fresh_connection_when_its_own_was_closed_before_a_byte_went() -> None:
+    """A connection that closed between the pool's check and the write (nothing of the request sent):
+    any method, POST included, goes out on a fresh one."""
+    async with engine(ok()) as e, client(e.url) as c:
+        await get(c, e.url + "/first")
+        stale = c._idle[-1]
+        stale.transport.close()
+        real_acquire = c._acquire
+        handed: list[Any] = []
+
+        async def acquire_the_closed_one_first() -> Any:
+            if not handed:
+                handed.append(stale)
+                c._busy.add(stale)
+                return stale
+            return await real_acquire()
+
+        c._acquire = acquire_the_closed_one_first  # type: ignore[method-assign]
+        assert await get(c, e.url + "/generate", "POST", data=b"{}") == (200, b"ok")
+        assert [r["target"] for r in e.requests] == ["/first", "/generate"] and e.connections == 2
+
+
+async def test_a_waiter_woken_for_a_free_slot_and_cancelled_passes_the_slot_on() -> None:
+    async with engine(ok()) as e, client(e.url, max_connections=1) as c:
+        held = await c._acquire()
+        b = asyncio.create_task(get(c, e.url + "/b"))
+        d = asyncio.create_task(get(c, e.url + "/d"))
+        await eventually(lambda: len(c._waiters) == 2)
+        c._release(held)  # wakes b ...
+        b.cancel()  # ... which leaves before it runs
+        assert await asyncio.wait_for(d, 10) == (200, b"ok")
+        assert b.cancelled()
+
+
+async def test_idle_connections_past_keepalive_are_closed_when_one_returns_not_left_open() -> None:
+    go = asyncio.Event()
+
+    async def held(reader: Any, writer: asyncio.StreamWriter, req: dict[str, Any]) -> bool:
+        await go.wait()
+        return await ok()(reader, writer, req)
+
+    async with engine(held) as e, client(e.url, keepalive_s=30) as c:
+        tasks = [asyncio.create_task(get(c, e.url + f"/{i}")) for i in range(3)]
+        await eventually(lambda: len(e.requests) == 3)
+        go.set()
+        await asyncio.gather(*tasks)
+        assert len(c._idle) == 3
+        for conn in c._idle[:2]:  # the bottom of the pool, never taken since: long idle
+            conn.idle_since -= 60
+        await get(c, e.url + "/again")  # takes the freshest; on its return the stale two are closed
+        await eventually(lambda: e.eofs == 2)
+        assert len(c._idle) == 1 and e.connections == 3
+
+
+async def test_a_second_answer_or_junk_after_the_answer_keeps_the_answer_and_drops_the_connection() -> None:
+    async def doubled(reader: Any, writer: asyncio.StreamWriter, req: dict[str, Any]) -> bool:
+        extra = {
+            "/twice": b"HTTP/1.1 500 Oops\r\ncontent-length: 3\r\n\r\nbad",
+            "/junk": b"SPDY/9 what\r\n\r\n",
+            "/clean": b"",
+        }[req["target"]]
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok" + extra)
+        await writer.drain()
+        return True
+
+    async with engine(doubled) as e, client(e.url) as c:
+        assert await get(c, e.url + "/twice") == (200, b"ok")
+        assert await get(c, e.url + "/junk") == (200, b"ok")
+        assert await get(c, e.url + "/clean") == (200, b"ok")
+        assert e.connections == 3  # the first two were not pooled; the clean one was
+        assert len(c._idle) == 1
+
+
+async def test_a_reset_mid_answer_is_a_break_even_when_the_answer_ends_at_eof() -> None:
+    """Without a length the body ends at the connection's end, but only a clean EOF ends it: a reset
+    is a broken answer (502 before the head, a cut stream after it), not a short success."""
+    import struct
+
+    async def reset(reader: Any, writer: asyncio.StreamWriter, req: dict[str, Any]) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\npart")
+        await writer.drain()
+        await reader.read(1)  # the client has the head and "part": it waits for more
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST, not FIN
+        return False
+
+    async with engine(reset) as e, client(e.url) as c:
+        got = b""
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with c.request("GET", e.url + "/eof") as r:
+                got += await r.content.readany()
+                # one byte to let the engine go on (it reads a byte, then resets the connection)
+                r._conn.transport.write(b"!")
+                async for chunk in r.content.iter_any():
+                    got += chunk
+        assert got == b"part"
+
+
+async def test_an_early_answer_stops_the_upload_and_closes_its_source() -> None:
+    """The engine answers (413) before reading the body: the answer is returned, the writer stops, the
+    body's source is closed, the connection is not pooled (the engine has unread bytes on it)."""
+    closed = asyncio.Event()
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"x" * 65536
+                await asyncio.sleep(0)
+        finally:
+            closed.set()
+
+    async def early(reader: Any, writer: asyncio.StreamWriter, req: dict[str, Any]) -> bool:
+        writer.write(b"HTTP/1.1 413 Too Large\r\ncontent-length: 3\r\n\r\nbig")
+        await writer.drain()
+        await reader.read()
+        return False
+
+    server_reqs: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        server_reqs.append(await reader.readuntil(b"\r\n\r\n"))
+        await early(reader, writer, {})
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with client(url) as c:
+            assert await asyncio.wait_for(get(c, url + "/upload", "POST", data=endless()), 10) == (
+                413,
+                b"big",
+            )
+            await asyncio.wait_for(closed.wait(), 10)
+            assert not c._idle and not c._busy
+    finally:
+        server.close()
+
+
+async def test_header_bytes_go_as_given_and_no_target_or_header_byte_can_split_the_request() -> None:
+    """The proxy hands the client's header bytes over undecoded: they go out byte for byte (non-ASCII
+    included). A CR, LF or NUL anywhere in a header, a control byte or space in the target, is refused
+    before anything is sent; through the sidecar none can arrive (uvicorn's parser answers 400 first)."""
+    async with engine(ok()) as e, client(e.url) as c:
+        await get(c, b"/raw?q=1", headers=[(b"x-name", "café".encode()), (b"x-bin", b"\xff\xfe")])
+        assert e.requests[0]["target"] == "/raw?q=1"
+        assert b"\r\nx-name: caf\xc3\xa9\r\nx-bin: \xff\xfe\r\n" in e.requests[0]["head"]
+        bad_headers = (
+            [(b"x-a", b"1\rx-b: 2")],
+            [(b"x-a", b"1\nx-b: 2")],
+            [(b"x-a", b"1"), (b"x-b", b"\x00")],
+            [(b"x-a\r\nx-b", b"1")],
+            [(b"", b"1")],
+            [(b"x-a: 1\r\nx", b"1")],
+        )
+        for bad in bad_headers:
+            with pytest.raises(ValueError):
+                c.request("GET", b"/", headers=bad)
+        for target in (b"/a b", b"/a\r\nx: y", b"a", b"/\x00", "/a b", e.url + "/\n"):
+            with pytest.raises(ValueError):
+                c.request("GET", target)
+        assert e.connections == 1 and len(e.requests) == 1
+
+
+async def test_a_304_and_a_head_answer_end_at_their_head_whatever_length_they_announce() -> None:
+    async def answer(reader: Any, writer: asyncio.StreamWriter, req: dict[str, Any]) -> bool:
+        status = b"304 Not Modified" if req["target"] == "/304" else b"200 OK"
+        writer.write(b"HTTP/1.1 %s\r\ncontent-length: 10\r\netag: x\r\n\r\n" % status)
+        await writer.drain()
+        return True
+
+    async with engine(answer) as e, client(e.url) as c:
+        assert await get(c, e.url + "/304") == (304, b"")
+        assert await get(c, e.url + "/304") == (304, b"")
+        assert e.connections == 1  # a 304 is a whole answer: its connection is reused
+        assert await get(c, e.url + "/head", "HEAD") == (200, b"")
+        assert not c._idle  # after HEAD the parser cannot be trusted with the connection: closed
