@@ -36,6 +36,7 @@ from sidecar.intake import demand_of
 from sidecar.requests import BadRequest, GenerationRequest, parse_generation
 from sidecar.responses import Response, error_response, json_response, rejection_response, send_response
 from sidecar.routes import Route
+from sidecar.serving import DISCONNECT_WATCH
 from sidecar.tokens import PromptCounter, TokenCount
 from sidecar.upstream import UpstreamClient
 
@@ -121,6 +122,8 @@ class Proxy:
         # honoured only when the sidecar was started for load generation against the emulator.
         self.trust_declared_sizes = trust_declared_sizes
         self._origin = _origin(self.upstream)
+        # The engine URL's own path (``http://host:port/prefix``), put before every relayed target.
+        self._prefix = URL(self.upstream).raw_path.rstrip("/").encode("latin-1")
         self.admission = admission
         self.counter = counter
         self.session: aiohttp.ClientSession | UpstreamClient | None = None
@@ -148,7 +151,7 @@ class Proxy:
             except ClientGone:
                 return
             work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
-            await _until_disconnect(work, receive, after=body.done)
+            await _until_disconnect(work, receive, scope, after=body.done)
             return
         handle = self.admission.open()
         sent_id = _client_request_id(scope)
@@ -165,7 +168,7 @@ class Proxy:
             if route is not None:
                 # Forward to the route the engine would serve, not to a variant it would redirect.
                 scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
-            await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive)
+            await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive, scope)
         finally:
             # Whatever path was taken, the handle has ended: this is the backstop for a client that
             # left before the work started (ClientGone, or a cancellation before its first step).
@@ -292,25 +295,38 @@ class Proxy:
         keeps the client's Content-Length, or ``length`` gives ours). ``request_id``: an id the sidecar
         chose, sent on as ``X-Request-Id`` (one the client sent goes with its other headers).
         ``measured``: a stream, whose first byte is its prefill's end (it times the lane's prefill rate)."""
-        assert self.session is not None, "proxy used outside the app's lifespan"
-        url = self.upstream + scope["raw_path"].decode("latin-1")
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
+        session = self.session
+        assert session is not None, "proxy used outside the app's lifespan"
         outcome = Outcome.UPSTREAM_ERROR
         started = False
         forwarded_at = time.monotonic()
-        req_headers = _request_headers(scope, keep_length=keep_length)
-        if request_id is not None:
-            req_headers["X-Request-Id"] = request_id
-        if length is not None and not isinstance(body, bytes | bytearray):
-            req_headers["Content-Length"] = str(length)
+        sized = length is not None and not isinstance(body, bytes | bytearray)
+        target: Any
+        req_headers: Any
+        if session.__class__ is UpstreamClient:
+            # The lean client takes the request's own bytes: target and headers relayed as received,
+            # nothing decoded to str and encoded back, no URL object.
+            target = self._prefix + scope["raw_path"]
+            if scope.get("query_string"):
+                target += b"?" + scope["query_string"]
+            req_headers = _request_header_bytes(scope, keep_length)
+            if request_id is not None:
+                req_headers.append((b"x-request-id", request_id.encode("latin-1")))
+            if sized:
+                req_headers.append((b"content-length", b"%d" % length))
+        else:
+            url = self.upstream + scope["raw_path"].decode("latin-1")
+            if scope.get("query_string"):
+                url += "?" + scope["query_string"].decode("latin-1")
+            target = URL(url, encoded=True)  # relay the path and query byte for byte, no re-quoting
+            req_headers = _request_headers(scope, keep_length=keep_length)
+            if request_id is not None:
+                req_headers["X-Request-Id"] = request_id
+            if sized:
+                req_headers["Content-Length"] = str(length)
         try:
-            async with self.session.request(
-                scope["method"],
-                URL(url, encoded=True),  # relay the path and query byte for byte, no re-quoting
-                data=body or None,
-                headers=req_headers,
-                allow_redirects=False,
+            async with session.request(
+                scope["method"], target, data=body or None, headers=req_headers, allow_redirects=False
             ) as resp:
                 note = scope.get(ACCESS_NOTE)
                 if note is not None:
@@ -486,8 +502,9 @@ class _Body:
 class _PassThroughBody:
     """A pass-through request's body: read at once when small, else relayed to the engine as it arrives.
 
-    ``done`` is set once the body has been read: only then may the disconnect listener take over
-    ``receive`` (two readers of one ASGI channel would steal each other's messages).
+    ``done`` (a streamed body only; None when the body was read whole) is set once the body has been
+    read: only then may the disconnect listener take over ``receive`` (two readers of one ASGI channel
+    would steal each other's messages).
     """
 
     INLINE_LIMIT = 1 << 20
@@ -495,23 +512,30 @@ class _PassThroughBody:
     def __init__(self, data: Any, streaming: bool) -> None:
         self.data = data
         self.streaming = streaming
-        self.done = asyncio.Event()
+        self.done: asyncio.Event | None = asyncio.Event() if streaming else None
 
     @classmethod
     async def start(cls, scope: Scope, receive: Receive) -> _PassThroughBody:
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        chunked = any(k == b"transfer-encoding" for k, _ in scope["headers"])
+        length = None
+        chunked = False
+        for k, v in scope["headers"]:  # one pass over the headers
+            if k == b"content-length":
+                length = v
+            elif k == b"transfer-encoding":
+                chunked = True
         if not chunked and (length is None or (length.isdigit() and int(length) <= cls.INLINE_LIMIT)):
             msg = await receive()
+            if not msg.get("more_body"):  # every small request: one message, no list, no join
+                if msg["type"] == "http.disconnect":
+                    raise ClientGone
+                return cls(msg.get("body", b""), streaming=False)
             parts = [msg.get("body", b"")]
             while msg.get("more_body"):
                 msg = await receive()
                 parts.append(msg.get("body", b""))
             if msg["type"] == "http.disconnect":
                 raise ClientGone
-            body = cls(b"".join(parts), streaming=False)
-            body.done.set()
-            return body
+            return cls(b"".join(parts), streaming=False)
         body = cls(None, streaming=True)
         body.data = body._relay(receive)
         return body
@@ -527,24 +551,45 @@ class _PassThroughBody:
                 if not msg.get("more_body", False):
                     return
         finally:
+            assert self.done is not None
             self.done.set()
 
 
 async def _until_disconnect(
-    work: Awaitable[None], receive: Receive, after: asyncio.Event | None = None
+    work: Awaitable[None], receive: Receive, scope: Scope, after: asyncio.Event | None = None
 ) -> None:
     """Run ``work`` in this task; if the client disconnects first, cancel it (its finally blocks do the
     cleanup) and return.
 
     ``after``: start listening only once this is set (the request body is still being read).
-    The work runs in the caller's own task and one listener task watches ``receive``: no second task
-    per request, no ``asyncio.wait`` and no extra loop turn before the work starts (all three were on
-    every request's path; issue #12). Awaited in place, the work has started before anything can
-    cancel it, so its own cleanup always runs.
+    The work runs in the caller's own task. The client's going is learnt from the server's own
+    connection (``serving.DISCONNECT_WATCH``: a callback from its ``connection_lost``) when it offers
+    that and the body has been read; otherwise one listener task watches ``receive``. No task per
+    request then, no ``asyncio.wait`` and no extra loop turn before the work starts (all were on every
+    request's path; issue #12). Awaited in place, the work has started before anything can cancel it,
+    so its own cleanup always runs.
     """
     task = asyncio.current_task()
     assert task is not None
     gone = False
+    watch = scope.get(DISCONNECT_WATCH) if after is None else None
+    if watch is not None:
+
+        def on_lost() -> None:
+            nonlocal gone
+            gone = True
+            task.cancel()
+
+        watch.watch_disconnect(on_lost)
+        try:
+            await work
+        except asyncio.CancelledError:
+            if gone and task.uncancel() == 0:
+                return
+            raise
+        finally:
+            watch.unwatch_disconnect(on_lost)
+        return
 
     async def listen() -> None:
         nonlocal gone
@@ -611,6 +656,15 @@ def _decoded(scope: Scope) -> list[tuple[bytes, str, str]]:
 
 def _headers_dict(scope: Scope) -> dict[str, str]:
     return {k: v for _, k, v in _decoded(scope)}
+
+
+def _request_header_bytes(scope: Scope, keep_length: bool) -> list[tuple[bytes, bytes]]:
+    """:func:`_request_headers` as the client sent them, for the lean client (which writes bytes)."""
+    drop = _DROP_REQUEST_KEEP_LENGTH if keep_length else _DROP_REQUEST
+    raw = scope["headers"]
+    if any(k == b"connection" for k, _ in raw):
+        drop = drop | _connection_named(raw)
+    return [h for h in raw if h[0] not in drop]
 
 
 def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[str]:

@@ -13,7 +13,9 @@ forwarded to the engine. ``GuardedHttpToolsProtocol`` adds, per connection (``Se
 * body gap: once a request's headers are in, no more than ``body_timeout_s`` between body bytes
   (408 if the response has not started, else the connection is closed);
 
-and uvicorn's ``limit_concurrency`` caps connections (503 beyond it). ``run_loopback`` / ``serve_app``
+and uvicorn's ``limit_concurrency`` caps connections (503 beyond it). It also tells the app of a client
+that left (``watch_disconnect``, offered in the scope under ``DISCONNECT_WATCH``) from the connection's
+own ``connection_lost``, so the proxy needs no task per request parked on ``receive`` to see it. ``run_loopback`` / ``serve_app``
 runs an app inside the current event loop (the demo and the tests use real sockets, because ASGI test
 transports buffer streams and hide disconnects).
 """
@@ -21,7 +23,7 @@ transports buffer streams and hide disconnects).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -42,6 +44,8 @@ class ServingLimits:
     keep_alive_s: int = 5
 
 
+# The scope key under which the guarded protocol offers watch_disconnect / unwatch_disconnect.
+DISCONNECT_WATCH = "sidecar.disconnect_watch"
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -59,6 +63,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits: ClassVar[ServingLimits] = ServingLimits()
     LINGER_S: ClassVar[float] = 1.0
     _discarding = False
+    _on_lost: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -73,6 +78,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
+        on_lost = self._on_lost
+        if on_lost is not None and self.cycle is not None and self.cycle.disconnected:
+            self._on_lost = None
+            on_lost()
+
+    # -- the client's disconnect, told to the app without a task reading ``receive`` -------------------
+
+    def watch_disconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the client goes before the current request's answer is complete
+        (uvicorn's ``http.disconnect``), until :meth:`unwatch_disconnect`. For an app that has read the
+        whole body: a task per request parked on ``receive`` did the same for more CPU (issue #12)."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return
+        if cycle.disconnected:
+            callback()
+            return
+        self._on_lost = callback
+        # As receive() does before it waits: a transport paused by a large body must read again, or
+        # the client's FIN would go unseen.
+        self.flow.resume_reading()
+
+    def unwatch_disconnect(self, callback: Callable[[], None]) -> None:
+        if self._on_lost is callback:  # a later request on this connection may have its own by now
+            self._on_lost = None
 
     def _cancel_timers(self) -> None:
         self._header_due = self._body_due = None
@@ -162,6 +192,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._header_bytes = 0
         self._header_due = None
+        self.scope[DISCONNECT_WATCH] = self  # type: ignore[literal-required]
         super().on_headers_complete()
         self._arm_body_gap()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -58,10 +59,14 @@ async def test_disconnect_while_waiting_for_headers_aborts_upstream(tmp_path: Pa
         await eventually(lambda: app.admission.ledger.totals.requests == 0)
 
 
-async def test_disconnect_while_held_removes_the_request(tmp_path: Path) -> None:
+@pytest.mark.parametrize("padding", [0, 4 << 20], ids=["small", "large-body"])
+async def test_disconnect_while_held_removes_the_request(tmp_path: Path, padding: int) -> None:
+    """Also with a body large enough that the server paused reading it (uvicorn pauses above 64 KiB
+    unread): the client's going must still be seen once the body has been read."""
     engine = FakeEngine()
+    body = gen(rid="held") | ({"pad": "x" * padding} if padding else {})
     async with lane(tmp_path, engine, free_mib=0) as (url, app, _), httpx.AsyncClient(timeout=10) as client:
-        task = asyncio.create_task(client.post(url + "/generate", json=gen(rid="held")))
+        task = asyncio.create_task(client.post(url + "/generate", json=body))
         await eventually(lambda: app.admission.held == 1)
         state = (await client.get(url.admin + "/admission/state")).json()
         assert state["queue"]["held"] == 1 and state["gate_open"] is False
@@ -320,3 +325,60 @@ def test_a_requests_headers_are_decoded_once_for_the_parser_and_the_forwarder() 
     decoded = scope["sidecar.decoded_headers"]
     assert dict(_request_headers(scope)) == {"x-priority": "3", "user-agent": "café"}
     assert scope["sidecar.decoded_headers"] is decoded
+
+
+@pytest.mark.parametrize("how", ["listener", "listener-after-body", "server-watch"])
+async def test_until_disconnect_cancels_the_work_when_the_client_goes_and_returns(how: str) -> None:
+    """Both ways of learning that the client left: a task reading ``receive`` (a server that offers no
+    watch, or a body still being relayed: ``after``), and the guarded server's own callback. The work
+    is cancelled (its cleanup runs), the caller returns normally; a work that ends first is not
+    cancelled and no callback outlives it."""
+    from sidecar.proxy import _until_disconnect
+    from sidecar.serving import DISCONNECT_WATCH
+
+    class Watch:
+        def __init__(self) -> None:
+            self.callback: Any = None
+
+        def watch_disconnect(self, cb: Any) -> None:
+            self.callback = cb
+
+        def unwatch_disconnect(self, cb: Any) -> None:
+            if self.callback is cb:
+                self.callback = None
+
+    leave = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await leave.wait()
+        return {"type": "http.disconnect"}
+
+    watch = Watch()
+    scope: dict[str, Any] = {DISCONNECT_WATCH: watch} if how == "server-watch" else {}
+    after = asyncio.Event() if how == "listener-after-body" else None
+    started, cleaned = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cleaned.set()
+
+    runner = asyncio.create_task(_until_disconnect(work(), receive, scope, after=after))
+    await started.wait()
+    if after is not None:
+        after.set()
+    if how == "server-watch":
+        assert watch.callback is not None
+        watch.callback()
+    else:
+        leave.set()
+    await asyncio.wait_for(runner, 10)  # returns: the cancellation was ours, taken back
+    assert cleaned.is_set() and not runner.cancelled() and watch.callback is None
+
+    async def quick() -> None:
+        return None
+
+    await asyncio.wait_for(_until_disconnect(quick(), receive, scope), 10)
+    assert watch.callback is None
