@@ -27,7 +27,7 @@ from itertools import count
 from typing import Protocol
 
 from sidecar.clock import Clock, Timer
-from sidecar.core.decide import Situation, decide, retry_after_s
+from sidecar.core.decide import Situation, decide, join_pending, join_settles, retry_after_s
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand, reprice
 from sidecar.core.ledger import Ledger, LedgerTotals
@@ -245,6 +245,10 @@ class Admission:
         # poll interval become wanted (``report_wanted``).
         self._released_at: float | None = None
         self.on_report_wanted: Callable[[], None] = lambda: None
+        # A streaming request's batch join still to come (core/constraints.JoinPending): new prefills
+        # wait until this instant, and until no admitted prefill is ahead of the join.
+        self._join_at: float | None = None
+        self._join_timer: Timer | None = None
 
     @property
     def policy(self) -> Policy:
@@ -274,6 +278,7 @@ class Admission:
             draining=self.draining,
             held_tokens=self._queue.tokens - own_tokens,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+            join_settles_at=self._join_at,
         )
 
     # -- the request path -------------------------------------------------------------------------
@@ -511,8 +516,11 @@ class Admission:
         if h._held:
             self._leave_queue(h)  # the client left while held: no decision, the next one may go
         if h._key is not None:
+            prefilling = h._key in self._prefilling
             self._left_prefill(h._key)
             self.ledger.release(h._key)
+            if prefilling:
+                self._join_moved(joins=False)
             self.watch.ended(h._key, self.clock.now())
             h._key = None
             self._released_at = self.clock.now()
@@ -543,9 +551,35 @@ class Admission:
         if h._key is not None:
             self._left_prefill(h._key)
         if h._key is not None and self.ledger.prefill_done(h._key):
+            # A stream's first token: it joins the running batch at the engine's next decode step.
+            self._join_moved(
+                joins=measured and self.rules.cost.join_bytes(self.ledger.totals.running_requests) > 0
+            )
             if measured and h.decision is not None:
                 self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())
             self.pump()
+
+    def _join_moved(self, *, joins: bool) -> None:
+        """An admitted prefill ended (``joins``: a stream's first token that joins a running batch):
+        the instant a pending join is taken to be done moves (``core/decide.join_settles``), timed so
+        that the held requests are decided again then."""
+        at = join_settles(self._join_at, self.clock.now(), self.rules.cost.join_settle_s, joins=joins)
+        if at == self._join_at:
+            return
+        self._join_at = at
+        if self._join_timer is not None:
+            self._join_timer.cancel()
+        self._join_timer = None if at is None else self.clock.call_at(at, self._join_settled)
+
+    def _join_settled(self) -> None:
+        """The settle time has passed: the join is done unless a prefill is still ahead of it (its end
+        moves the settle time again)."""
+        self._join_timer = None
+        if not join_pending(self.situation()):
+            self._join_at = None
+        elif self._join_at is not None and not self.ledger.totals.requests:
+            self._join_timer = self.clock.call_at(self._join_at, self._join_settled)  # a timer fired early
+        self.pump()
 
     # -- the in-flight prefill guard (core/overrun.py) -------------------------------------------------
 

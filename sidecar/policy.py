@@ -177,6 +177,10 @@ class Cost(_Strict):
     # None: never measured (counts as 0, and calibrate probes for it); 0: measured, nothing seen.
     batch_join_bytes: Size | None = None
     batch_join_bytes_per_running_request: Size = 0
+    # How long after a streamed first token the join is taken to be done when no admitted prefill is
+    # ahead of it: one decode step of this lane, with room to spare (new prefills wait that long:
+    # SGLang runs any prefill before the decode step that makes the join).
+    join_settle_s: float = Field(default=0.05, ge=0, le=5)
     margin: float = Field(default=1.0, ge=1.0)
     # The longest probe of the calibration these coefficients come from: beyond it they are an
     # extrapolation (shown by check-policy and /admission/state). None: not calibrated.

@@ -35,6 +35,8 @@ class Reading:
     ledger: LedgerTotals
     # What admitting the request books: the KV and Mamba figures the checks compare.
     charge: Charge
+    # A request past its first token has not joined the running batch yet (``decide.join_pending``).
+    join_pending: bool = False
 
 
 class Constraint(Protocol):
@@ -89,6 +91,34 @@ class BatchJoin:
             return Check("batch_join", True, need, None, "no GPU signal")
         have = r.headroom + r.ledger.projected_bytes
         return Check("batch_join", need <= have, need, have, f"joining {running - 1} running")
+
+
+class JoinPending:
+    """No new prefill while a request that has finished its prefill has not joined the running batch.
+
+    Why: SGLang merges a finished prefill batch into the running batch and then runs any prefill it can
+    form before the decode step (``Scheduler.get_next_batch_to_run``: "run prefill first if
+    possible"; evidence S25). The join allocation (``CostModel.join_bytes``) is made in that decode
+    step, and it belongs to a request already streaming: no gate can refuse it any more and the
+    in-flight guard cannot abort it. Admitting a prefill in that window puts the whole prefill in
+    front of the join, stretching the time an unabortable allocation is pending from one decode step
+    to a whole prefill; anything that shrinks the room meanwhile (another process on the card grows,
+    the monitor raises the margin) then finds the join with no way out. Held, the newcomer waits one
+    decode step (``cost.join_settle_s``) after the last prefill ahead of the join has ended.
+
+    Always a hold (never the VRAM section's ``reject``): the window closes on its own within a decode
+    step. Reason ``vram_headroom``, check ``join_pending``; absent while no join is pending.
+    """
+
+    reason = Reason.VRAM_HEADROOM
+
+    def on_exceed(self, rules: Rules) -> ExceedAction:
+        return ExceedAction.HOLD
+
+    def check(self, demand: Demand, r: Reading) -> Check | None:
+        if not r.join_pending:
+            return None
+        return Check("join_pending", False, note="a streaming request has not joined the running batch yet")
 
 
 class KvPool:
@@ -187,6 +217,7 @@ PENDING_PREFILL = WorkAhead(Reason.PENDING_PREFILL_TOKENS, lambda r: r.pending_p
 CONSTRAINTS: tuple[Constraint, ...] = (
     VramHeadroom(),
     BatchJoin(),
+    JoinPending(),
     KvPool(),
     MambaSlots(),
     ENGINE_QUEUE,

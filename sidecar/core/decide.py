@@ -10,8 +10,8 @@ order it is applied:
    only delay the 503.
 3. **engine_unavailable / signals_stale** - without fresh signals the gate is blind; the policy says,
    per signal, whether blind means hold, reject or admit.
-4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, the batch join, KV pool, Mamba
-   slots, engine queue, pending prefill tokens) - all evaluated, the first failure names the reason,
+4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, the batch join, a join still
+   pending, KV pool, Mamba slots, engine queue, pending prefill tokens) - all evaluated, the first failure names the reason,
    its policy section's ``on_exceed`` says hold or reject.
    A request that waited is admitted only on a GPU reading taken since it began waiting (where the
    headroom reads the GPU at all): it was held because the lane was short, and a reading from before
@@ -58,6 +58,29 @@ class Situation:
     # rate the lane has been measured at (None: the policy's ``hold.prefill_tokens_per_s``).
     held_tokens: int = 0
     prefill_tokens_per_s: float | None = None
+    # A request past its first token may not have joined the running batch yet: the earliest instant
+    # it is taken to have, once no admitted prefill is ahead of it (None: no join pending).
+    join_settles_at: float | None = None
+
+
+def join_pending(s: Situation) -> bool:
+    """Whether a streaming request's batch join may still be to come (``constraints.JoinPending``).
+
+    The engine runs every prefill it has before the decode step that makes the join, so the join is
+    pending while any admitted prefill has not finished (the ledger's), and for the settle time after
+    the last one (the shell moves ``join_settles_at`` to one settle time after each prefill that ends
+    while a join is pending)."""
+    return s.join_settles_at is not None and (s.ledger.requests > 0 or s.now < s.join_settles_at)
+
+
+def join_settles(at: float | None, now: float, settle_s: float, *, joins: bool) -> float | None:
+    """``Situation.join_settles_at`` after an admitted prefill ended at ``now`` (its first token, an
+    abort, a failure). ``joins``: a streamed first token of a request that joins a running batch of
+    others (``CostModel.join_bytes`` of it is not 0). A join pending before stays pending one settle
+    time past every prefill that ends ahead of it: the engine's decode step comes after them."""
+    if not joins and at is None:
+        return None
+    return max(now + settle_s, now if at is None else at)
 
 
 def decide(demand: Demand, s: Situation) -> Decision:
@@ -135,6 +158,7 @@ def _judge(
         headroom=headroom if gpu_ok else None,
         ledger=s.ledger,
         charge=charge,
+        join_pending=join_pending(s),
     )
     checks: list[Check] = []
     failed: tuple[Reason, ExceedAction] | None = None
