@@ -21,7 +21,7 @@ import bisect
 import heapq
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import count
 from typing import Protocol
@@ -279,6 +279,7 @@ class Admission:
             held_tokens=self._queue.tokens - own_tokens,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
             join_settles_at=self._join_at,
+            verifies_hits=self._guarding and self.progress.counter is not None,
         )
 
     # -- the request path -------------------------------------------------------------------------
@@ -494,6 +495,8 @@ class Admission:
         if not self._prefilling:
             self.progress.started()
         h._key = self.ledger.charge(d.charge)
+        if d.charge.own_prefills:  # priced by its own chunk schedule: the guard prices it so too
+            h.demand = replace(h.demand, own_schedule=True)
         self._prefilling[h._key] = h
         self.progress.admitted(h._key, h.demand.uncached_tokens)
         tracked = self.progress.counter is not None
@@ -603,11 +606,15 @@ class Admission:
             assert h.demand is not None
             self.watch.left(final_bytes(h.demand, self.watch.priced), last=not self._prefilling)
 
+    @property
+    def _guarding(self) -> bool:
+        return not self.shadow and self.policy.guard.enabled
+
     def _guard(self) -> None:
         """Abort the admitted prefills that no longer fit under the rules now in force (the rule is
         ``core/overrun.overruns``; it runs at every new snapshot and rules change, and finds nothing
         while nothing tightened). Held requests are re-decided once, after the aborts."""
-        if self.shadow or not self.policy.guard.enabled or not self._prefilling:
+        if not self._guarding or not self._prefilling:
             return
         found = overruns(self.in_flight(), self.rules, self.snapshot, self.ledger.totals.running_requests)
         if not found:

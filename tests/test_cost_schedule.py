@@ -19,7 +19,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.core.cost import project_bytes, shape
+from sidecar.core.cost import project_bytes, project_own, shape
 from sidecar.core.rules import CostModel
 from sidecar.sim.engine import EngineModel
 from sidecar.sim.events import FirstToken
@@ -171,3 +171,75 @@ def _steps_of(profile: LaneProfile, requests: list[tuple[str, int]]) -> dict[str
         done |= {e.rid for e in model.advance(t) if isinstance(e, FirstToken)}
     assert not model.crashes
     return steps
+
+
+# -- a request that starts its own prefill batch (core/cost.project_own, core/decide) ---------------
+
+
+@settings(max_examples=400, deadline=None)
+@given(lane=lanes, prompt=st.integers(1, 600_000), cached_frac=st.floats(0, 1))
+def test_a_request_starting_its_own_batch_is_priced_at_its_own_schedule_s_peak(
+    lane: LaneProfile, prompt: int, cached_frac: float
+) -> None:
+    """Its first chunk is a full one from its cache hit, then full chunks: the projection is that
+    schedule's largest step, to the byte (never below it, and nothing left on the table)."""
+    chunk = lane.chunked_prefill_size
+    cached = int(prompt * cached_frac)
+    own = project_own(cost_of(lane), prompt, prompt - cached, chunk)
+    assert own == true_peak(lane, schedule(prompt, cached, chunk, chunk))
+    assert own <= project_bytes(cost_of(lane), shape(prompt, prompt - cached, chunk))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lane=lanes.filter(lambda p: p.chunked_prefill_size >= 1000),
+    prompt=st.integers(1, 120_000),
+    cached_frac=st.floats(0, 1),
+    extra=st.integers(0, 80),
+)
+def test_a_larger_cache_hit_than_counted_is_bounded_too(
+    lane: LaneProfile, prompt: int, cached_frac: float, extra: int
+) -> None:
+    """The gate's cached count is a lower bound. With up to ``extra`` tokens more found cached, the
+    bound is the largest step over every such schedule, to the byte."""
+    chunk = lane.chunked_prefill_size
+    cached = int(prompt * cached_frac)
+    bound = project_own(cost_of(lane), prompt, prompt - cached, chunk, extra)
+    peaks = [true_peak(lane, schedule(prompt, cached + x, chunk, chunk)) for x in range(extra + 1)]
+    assert bound == max(peaks)
+
+
+def test_a_hit_that_wraps_the_last_chunk_costs_a_full_chunk_at_the_whole_context() -> None:
+    """284,359 tokens cold on the old Max-Q lane: the last chunk is 5,831 tokens alone; 5,831 more
+    cached tokens than counted make it a full one, and a chunk's worth of doubt is the worst case."""
+    c = cost_of(MAXQ_OLD)
+    worst = project_bytes(c, shape(284_359, 284_359, 8_192))
+    alone = project_own(c, 284_359, 284_359, 8_192)
+    assert alone == true_peak(MAXQ_OLD, schedule(284_359, 0, 8_192, 8_192)) < worst
+    assert project_own(c, 284_359, 284_359, 8_192, 5_830) < worst
+    assert project_own(c, 284_359, 284_359, 8_192, 5_831) == worst
+
+
+def test_the_engine_model_runs_a_lone_request_at_its_own_schedule_and_a_newcomer_does_not_move_it() -> None:
+    """Alone, the 284,359 tokens the old Max-Q lane serves run in full chunks from the start (peak =
+    the own projection, under the idle budget). A short request sent after a long one's first batch
+    only takes what the long one's last chunk leaves: the chunked request goes first in every batch
+    (SGLang's ``add_chunked_req``, and the model's), so the long one's steps do not move."""
+    alone = _steps_of(MAXQ_OLD, [("long", 284_359)])["long"]
+    assert true_peak(MAXQ_OLD, alone) == project_own(cost_of(MAXQ_OLD), 284_359, 284_359, 8_192)
+    assert true_peak(MAXQ_OLD, alone) <= MAXQ_OLD.idle_free_bytes
+    model = EngineModel(MAXQ_OLD)
+    model.submit("long", 250_000, max_new_tokens=1, now=0.0)
+    steps: list[tuple[int, int]] = []
+    for i in range(40):
+        step = model._step
+        assert step is not None and not model.crashes
+        steps += [(n, req.prefilled + n) for req, n in step.items if req.rid == "long"]
+        t = model.next_event_time()
+        assert t is not None
+        if any(isinstance(e, FirstToken) and e.rid == "long" for e in model.advance(t)):
+            break
+        if i == 0:
+            model.submit("short", 10_000, max_new_tokens=1, now=model.now)
+    assert steps == _steps_of(MAXQ_OLD, [("long", 250_000)])["long"]
+    assert steps[-1] == (250_000 % 8_192, 250_000)

@@ -121,6 +121,30 @@ class JoinPending:
         return Check("join_pending", False, note="a streaming request has not joined the running batch yet")
 
 
+class OwnBatch:
+    """No new prefill while one priced by its own chunk schedule is prefilling (``decide``).
+
+    Why: such a request was admitted only because it starts its own prefill batch, so its last chunk
+    is its own remainder, not a full chunk at the whole context. A request that reached the engine
+    before its first batch (a short prompt tokenized faster, a higher priority) would take the head of
+    that batch and shift every chunk boundary after it, up to a full last chunk: the peak the price
+    left out. Held until its first token (or its end); once it runs, SGLang's chunked request goes
+    first in every batch and a newcomer only shares its last chunk's batch, which the ledger's sum
+    covers, but the gate cannot see its first batch without the engine's counters. Always a hold.
+    Reason ``vram_headroom``, check ``own_schedule``; absent while no such prefill is in flight.
+    """
+
+    reason = Reason.VRAM_HEADROOM
+
+    def on_exceed(self, rules: Rules) -> ExceedAction:
+        return ExceedAction.HOLD
+
+    def check(self, demand: Demand, r: Reading) -> Check | None:
+        if not r.ledger.own_prefills:
+            return None
+        return Check("own_schedule", False, note="a prefill priced by its own chunk schedule is in flight")
+
+
 class KvPool:
     """The uncached prompts (plus decode reserves) against free (+evictable) slots and the ledger."""
 
@@ -218,6 +242,7 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     VramHeadroom(),
     BatchJoin(),
     JoinPending(),
+    OwnBatch(),
     KvPool(),
     MambaSlots(),
     ENGINE_QUEUE,

@@ -104,3 +104,29 @@ def project_at_progress(
     n = min(uncached_tokens, chunk) or 1
     context = min(prompt_tokens, max(0, cached_tokens) + max(0, done_tokens) + n)
     return project_bytes(c, Shape(context, uncached_tokens, n))
+
+
+# -- a prefill that starts its own batch (``decide``: nothing else admitted or queued ahead of it) --
+
+
+def project_own(
+    c: CostModel, prompt_tokens: int, uncached_tokens: int, chunk: int, extra_hit: int = 0
+) -> int:
+    """The peak of a prefill that starts its own prefill batch, margin included: its chunks run from
+    its cache hit in full ``chunk``-token steps (SGLang's chunked request goes first in every batch),
+    so its last chunk is ``L = (uncached - 1) % chunk + 1`` tokens at the whole prompt and the one
+    before it a full chunk ending ``L`` tokens earlier; every other chunk is smaller than that one.
+
+    The engine may find up to ``extra_hit`` more of the prompt cached than the gate counted (its count
+    is a lower bound): each token more shortens the last chunk by one, until it wraps to a full chunk.
+    The bound is taken over every such hit, so with ``extra_hit + 1 >= chunk`` it is
+    :func:`project_bytes`' full chunk at the whole context, the worst over every schedule. Single-chunk
+    prompts have nothing to gain: the same figure as :func:`project_bytes`."""
+    u = max(0, uncached_tokens)
+    if u <= chunk or extra_hit + 1 >= chunk:
+        return project_bytes(c, shape(prompt_tokens, u, chunk))
+    last = (u - 1) % chunk + 1
+    longest, shortest = (chunk, 1) if extra_hit >= last else (last, last - extra_hit)
+    final = project_bytes(c, Shape(prompt_tokens, u, longest))
+    before = project_bytes(c, Shape(prompt_tokens - shortest, u, chunk))
+    return max(final, before)

@@ -30,7 +30,7 @@ for an unfit request); every decision carries the charge that admitting the requ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sidecar.core.constraints import CONSTRAINTS, Reading
 from sidecar.core.decision import Action, Charge, Check, Decision, Reason
@@ -61,6 +61,10 @@ class Situation:
     # A request past its first token may not have joined the running batch yet: the earliest instant
     # it is taken to have, once no admitted prefill is ahead of it (None: no join pending).
     join_settles_at: float | None = None
+    # The shell sees a prefill's first batch and its cache hit (the engine's prefill counters) and the
+    # in-flight guard is on: a request that starts its own prefill batch may then be priced by its own
+    # chunk schedule, the guard aborting it if the engine's hit turns out to move its chunks.
+    verifies_hits: bool = False
 
 
 def join_pending(s: Situation) -> bool:
@@ -91,6 +95,12 @@ def decide(demand: Demand, s: Situation) -> Decision:
     charge = charge_of(demand, rules, s.snapshot)
     headroom = headroom_bytes(rules, s.snapshot, s.ledger)
     action, reason, checks = _judge(demand, s, charge, headroom)
+    if action is not Action.ADMIT and _starts_own_batch(demand, s):
+        own = replace(charge, projected_bytes=demand.own_bytes(rules), own_prefills=1)
+        if own.projected_bytes < charge.projected_bytes:
+            verdict = _judge(demand, s, own, headroom)
+            if verdict[0] is Action.ADMIT:
+                (action, reason, checks), charge = verdict, own
     if action is Action.ADMIT and s.queued:
         old = _gpu_predates_wait(demand, s)
         if old is not None:
@@ -103,6 +113,24 @@ def decide(demand: Demand, s: Situation) -> Decision:
         action, reason = Action.REJECT, Reason.QUEUE_FULL
     retry = retry_after_s(s, reason, demand.uncached_tokens) if action is Action.REJECT else None
     return Decision(action, reason, retry, headroom, checks, charge)
+
+
+def _starts_own_batch(demand: Demand, s: Situation) -> bool:
+    """Whether this request, admitted now, starts its own prefill batch, so that its chunks run in full
+    steps from its cache hit (``cost.project_own``): a single prompt, nothing admitted still
+    prefilling (the ledger), nothing waiting or prefilling in the engine's fresh report, and a shell
+    that sees its first batch and its cache hit (``Situation.verifies_hits``). Nothing can start ahead
+    of it afterwards: ``constraints.OwnBatch`` holds newcomers until its prefill ends."""
+    e = s.snapshot.engine
+    return (
+        s.verifies_hits
+        and demand.prompts == 1
+        and not s.ledger.requests
+        and e is not None
+        and _fresh(s.snapshot.engine_age(s.now), s.rules.engine)
+        and e.queue_requests == 0
+        and e.pending_prefill_tokens == 0
+    )
 
 
 def charge_of(demand: Demand, rules: Rules, snap: Snapshot) -> Charge:
@@ -143,7 +171,7 @@ def _judge(
     demand: Demand, s: Situation, charge: Charge, headroom: int | None
 ) -> tuple[Action, Reason | None, tuple[Check, ...]]:
     """Steps 2-4: fit, sight, then the constraints."""
-    unfit = _unfit(demand, s.rules, s.snapshot, charge)
+    unfit = _unfit(demand, s, charge)
     if unfit is not None:
         return Action.REJECT, Reason.UNFIT_REQUEST, (unfit,)
     blind = _blindness(s)
@@ -175,7 +203,8 @@ def _judge(
     return (Action.HOLD if on_exceed is ExceedAction.HOLD else Action.REJECT), reason, tuple(checks)
 
 
-def _unfit(demand: Demand, rules: Rules, snap: Snapshot, charge: Charge) -> Check | None:
+def _unfit(demand: Demand, s: Situation, charge: Charge) -> Check | None:
+    rules, snap = s.rules, s.snapshot
     e = snap.engine
     name = Reason.UNFIT_REQUEST.value
     context_len = (e.context_len if e else None) or rules.lane.context_len
@@ -195,10 +224,18 @@ def _unfit(demand: Demand, rules: Rules, snap: Snapshot, charge: Charge) -> Chec
         have = pool_slots - m.reserve_slots
         return Check(name, False, needs, have, "more Mamba slots than the pool has", "mamba_slots")
     cap = rules.vram.transient_cap()
-    if cap is not None and charge.projected_bytes > cap:
+    if cap is not None and charge.projected_bytes > cap and _smallest(demand, s, charge) > cap:
         note = "transient larger than the lane frees"
         return Check(name, False, charge.projected_bytes, cap, note, "transient")
     return None
+
+
+def _smallest(demand: Demand, s: Situation, charge: Charge) -> int:
+    """The least this request's transient can be priced at on this lane: by its own chunk schedule
+    where a lane that sees prefills' cache hits may price it so (when it starts its own batch)."""
+    if not s.verifies_hits or demand.prompts != 1:
+        return charge.projected_bytes
+    return demand.own_bytes(s.rules)
 
 
 def _gpu_predates_wait(demand: Demand, s: Situation) -> Check | None:

@@ -55,6 +55,8 @@ class Booked:
     kv_tokens: int = 0
     projected_bytes: int = 0
     mamba_slots: int = 0
+    # Prefills priced by their own chunk schedule (``decide``): 1 on such a request's charge.
+    own_prefills: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

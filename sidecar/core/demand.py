@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sidecar.core.cost import project_bytes, shape
+from sidecar.core.cost import project_bytes, project_own, shape
 from sidecar.core.rules import Rules
 
 
@@ -44,6 +44,13 @@ class Demand:
     # When it arrived and the latest time it may leave the hold queue (``hold.max_wait_s`` later).
     arrived_at: float
     deadline: float
+    # Admitted priced by its own chunk schedule (``decide``: it starts its own prefill batch).
+    own_schedule: bool = False
+
+    def own_bytes(self, rules: Rules) -> int:
+        """Its peak when it starts its own prefill batch (``cost.project_own``), computed only where
+        a decision considers it (rarely: the full-chunk projection did not fit)."""
+        return project_own(rules.cost, self.prompt_tokens, self.uncached_tokens, self.chunk_size)
 
 
 def build(
@@ -59,6 +66,7 @@ def build(
     priority: int | None = None,
     chunk: int | None = None,
     request_id: str = "",
+    own_schedule: bool = False,
 ) -> Demand:
     chunk = chunk or rules.lane.chunked_prefill_size
     if not exact:
@@ -86,6 +94,7 @@ def build(
         priority=priority or 0,
         arrived_at=arrived_at,
         deadline=arrived_at + rules.hold.max_wait_s,
+        own_schedule=own_schedule,
     )
 
 
@@ -114,4 +123,5 @@ def reprice(rules: Rules, d: Demand) -> Demand:
         chunk=d.chunk_size,
         request_id=d.request_id,
         arrived_at=d.arrived_at,
+        own_schedule=d.own_schedule,
     )

@@ -45,7 +45,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sidecar.core.cost import project_at_progress
+from sidecar.core.cost import project_at_progress, project_own
 from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action, Check, Decision, Reason
 from sidecar.core.demand import Demand, reprice
@@ -115,7 +115,7 @@ def overruns(
     the admitted requests not ended (the in-flight prefills included): the batch they all join."""
     if not prefills:
         return ()
-    peaks = [reprice(rules, p.demand).projected_bytes for p in prefills]
+    peaks = [peak(rules, p) for p in prefills]
     cap = rules.vram.transient_cap()
     out: list[Overrun] = []
     keep: list[int] = []
@@ -148,6 +148,20 @@ def overruns(
         total -= peaks[i]
         running -= 1
     return tuple(out)
+
+
+def peak(rules: Rules, p: Prefill) -> int:
+    """A prefill's peak under ``rules``: as its admission priced it (``demand.reprice``), and for one
+    admitted by its own chunk schedule (``Demand.own_schedule``) that schedule, from the cache hit the
+    gate counted until the engine's counters show its first batch, then over every hit up to what the
+    cache counter showed (``cost.project_own``: a hit the gate did not count moves its chunks, up to
+    a full last chunk, and the guard aborts it then if that no longer fits). Without the counters the
+    hit cannot be seen: a full last chunk."""
+    d = reprice(rules, p.demand)
+    if not d.own_schedule or p.done_tokens is None:
+        return d.projected_bytes
+    extra = max(0, p.cached_bound - d.cached_tokens) if p.started else 0
+    return project_own(rules.cost, d.prompt_tokens, d.uncached_tokens, d.chunk_size, extra)
 
 
 def in_flight_bytes(prefills: Sequence[Prefill], cost: CostModel) -> int | None:

@@ -1,0 +1,134 @@
+"""A request that starts its own prefill batch, priced by its own chunk schedule (``core/decide``).
+
+On the old Max-Q lane (budget 1,372 MiB, reserve 16 MiB, margin 1.011) a cold 273,347-token prompt
+projects 1,357.6 MiB with a full last chunk at the whole context, over the 1,356 MiB the lane can ever
+run: unfit. Its own last chunk is 3,011 tokens; its own schedule peaks at 1,343.7 MiB (the full chunk
+before it). Alone, nothing can shift its chunks, and the gate admits it at that price.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from sidecar.core import demand as demand_mod
+from sidecar.core.cost import project_own
+from sidecar.core.decide import Situation, decide
+from sidecar.core.decision import Action, Reason
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.overrun import Prefill, overruns, peak
+from sidecar.intake import rules_of
+from tests.conftest import maxq, snapshot, with_engine
+
+NOW = 1000.0
+BAND = 273_347  # 96.1 % of the 284,359 tokens the lane serves alone (bench band family, seed 0)
+RULES = rules_of(maxq().policy)
+
+
+EMPTY = LedgerTotals()
+
+
+def _situation(ledger: LedgerTotals = EMPTY, verifies: bool = True, **engine: object) -> Situation:
+    pool = {"max_total_tokens": 522_880, "kv_available_tokens": 522_880}
+    snap = snapshot(NOW, free_bytes=None, **(pool | engine))
+    return Situation(RULES, snap, ledger, NOW, verifies_hits=verifies)
+
+
+def _ask(tokens: int = BAND, **kw: object) -> demand_mod.Demand:
+    return demand_mod.build(RULES, tokens, arrived_at=NOW, max_new_tokens=1024, **kw)  # type: ignore[arg-type]
+
+
+def test_the_band_request_is_unfit_at_a_full_last_chunk_and_fits_by_its_own_schedule() -> None:
+    d = _ask()
+    cap = RULES.vram.transient_cap()
+    assert cap is not None and d.own_bytes(RULES) <= cap < d.projected_bytes
+    assert d.own_bytes(RULES) == project_own(RULES.cost, BAND, BAND, 8192)
+
+
+def test_alone_it_is_admitted_at_its_own_price_and_marked_so() -> None:
+    d = decide(_ask(), _situation())
+    assert d.action is Action.ADMIT
+    assert d.charge.projected_bytes == _ask().own_bytes(RULES) and d.charge.own_prefills == 1
+
+
+def test_without_sight_of_the_engine_s_hits_it_stays_unfit() -> None:
+    """No prefill counters (or no guard): a hit the gate did not count could not be seen moving its
+    chunks, so the full last chunk stands."""
+    d = decide(_ask(), _situation(verifies=False))
+    assert d.action is Action.REJECT and d.reason is Reason.UNFIT_REQUEST
+
+
+@pytest.mark.parametrize(
+    ("ledger", "engine"),
+    [
+        (LedgerTotals(requests=1, running_requests=1), {}),  # an admitted prefill ahead of it
+        (LedgerTotals(), {"queue_requests": 1}),  # a request waiting in the engine
+        (LedgerTotals(), {"queue_requests": None}),  # unknown: as good as one
+        (LedgerTotals(), {"pending_prefill_tokens": 2_000}),  # a prefill in the engine's hands
+        (LedgerTotals(), {"pending_prefill_tokens": None}),
+    ],
+)
+def test_with_anything_that_could_start_ahead_of_it_it_waits(ledger: LedgerTotals, engine: dict) -> None:
+    """Not alone: held (not unfit), until it would start its own batch."""
+    d = decide(_ask(), _situation(ledger, **engine))
+    assert d.action is Action.HOLD and d.reason is Reason.VRAM_HEADROOM
+    assert d.charge.own_prefills == 0
+
+
+def test_on_a_stale_engine_report_it_is_not_priced_alone() -> None:
+    s = _situation()
+    old = replace(s, snapshot=with_engine(s.snapshot, observed_at=NOW - 100), now=NOW)
+    d = decide(
+        _ask(), replace(old, rules=replace(RULES, engine=replace(RULES.engine, on_stale=Action.ADMIT)))
+    )
+    assert d.action is Action.HOLD and d.charge.own_prefills == 0
+
+
+def test_a_batch_of_prompts_is_never_priced_alone() -> None:
+    d = decide(_ask(prompts=2), _situation())
+    assert d.action is Action.REJECT and d.reason is Reason.UNFIT_REQUEST
+
+
+def test_a_request_that_fits_at_a_full_last_chunk_keeps_that_price() -> None:
+    """The own price is taken only where the full one does not fit: it holds newcomers back."""
+    d = decide(_ask(200_000), _situation())
+    assert d.admitted and d.charge.projected_bytes == _ask(200_000).projected_bytes
+    assert d.charge.own_prefills == 0
+
+
+def test_newcomers_wait_while_an_own_priced_prefill_runs() -> None:
+    ledger = LedgerTotals(requests=1, running_requests=1, own_prefills=1, projected_bytes=1)
+    d = decide(_ask(1_000), _situation(ledger))
+    assert d.action is Action.HOLD and d.reason is Reason.VRAM_HEADROOM
+    assert [c.name for c in d.checks if not c.ok] == ["own_schedule"]
+    assert "own_schedule" not in {c.name for c in decide(_ask(1_000), _situation()).checks}
+
+
+# -- the in-flight guard prices it by its own schedule, and by every hit the counters allow --------
+
+
+def _own() -> demand_mod.Demand:
+    return _ask(own_schedule=True)
+
+
+def test_the_guard_keeps_the_own_price_until_the_counters_show_a_larger_hit() -> None:
+    d = _own()
+    own, worst = d.own_bytes(RULES), d.projected_bytes
+    assert peak(RULES, Prefill(1, d, done_tokens=0)) == own  # not started: nothing seen yet
+    assert peak(RULES, Prefill(1, d, done_tokens=8192, started=True, cached_bound=0)) == own
+    moved = peak(RULES, Prefill(1, d, done_tokens=8192, started=True, cached_bound=3_000))
+    assert moved == project_own(RULES.cost, BAND, BAND, 8192, 3_000) and own < moved < worst
+    # No counter: the hit cannot be seen at all.
+    assert peak(RULES, Prefill(1, d)) == worst
+    # A request not priced alone keeps its full last chunk whatever the counters say.
+    assert peak(RULES, Prefill(1, _ask(), done_tokens=0)) == worst
+
+
+def test_the_guard_aborts_it_when_a_hit_moved_its_chunks_past_the_room() -> None:
+    snap = snapshot(NOW, free_bytes=None, max_total_tokens=522_880, kv_available_tokens=522_880)
+    fine = Prefill(1, _own(), done_tokens=8192, started=True, cached_bound=0)
+    assert overruns([fine], RULES, snap, running=1) == ()
+    shifted = Prefill(1, _own(), done_tokens=8192, started=True, cached_bound=3_100)
+    (o,) = overruns([shifted], RULES, snap, running=1)
+    assert o.key == 1 and not o.fits_idle
