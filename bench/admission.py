@@ -640,9 +640,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
     return out
 
 
-def largest_admitted_prompt(name: str, max_new: int) -> int:
-    """The longest cold prompt the scenario's policy does not refuse as unfit (``unfit_request``), by
-    bisection on the decision itself, on an idle lane."""
+def largest_admitted_prompt(name: str, max_new: int, below: int | None = None) -> int:
+    """The longest cold prompt the scenario's policy does not refuse as unfit (``unfit_request``), on
+    an idle lane, by the decision itself. Without ``below``: priced with a full last chunk at the whole
+    context (a gate that cannot see the engine's prefill counters), by bisection. With it: the longest
+    one below ``below`` that a gate seeing the counters admits when it starts its own prefill batch,
+    priced by its own chunk schedule, which depends on where its last chunk falls (not monotone in the
+    length: scanned down from ``below``)."""
     from sidecar.core import demand
     from sidecar.core.decide import Situation, decide
     from sidecar.core.decision import Reason
@@ -651,11 +655,14 @@ def largest_admitted_prompt(name: str, max_new: int) -> int:
     from sidecar.intake import rules_of
 
     rules = rules_of(policy_for(name).policy)
+    situation = Situation(rules, Snapshot(), LedgerTotals(), 0.0, verifies_hits=below is not None)
 
     def fits(n: int) -> bool:
         d = demand.build(rules, n, arrived_at=0.0, max_new_tokens=max_new)
-        return decide(d, Situation(rules, Snapshot(), LedgerTotals(), 0.0)).reason is not Reason.UNFIT_REQUEST
+        return decide(d, situation).reason is not Reason.UNFIT_REQUEST
 
+    if below is not None:
+        return next((n for n in range(below, 0, -1) if fits(n)), 0)
     lo, hi = 1, rules.lane.context_len - max_new
     if fits(hi):
         return hi
@@ -707,10 +714,14 @@ def why_short(name: str, gates: dict[str, dict[str, Any]]) -> list[str]:
         max_new = _max_new_tokens(scenario(name, 0))
         true = single_request_limit(profile, max_new)
         mine = largest_admitted_prompt(name, max_new)
+        alone = largest_admitted_prompt(name, max_new, below=true)
+        p = policy_for(name).policy
         out.append(
-            f"the policy admits prompts up to {mine:,} tokens, {mine / true:.1%} of the lane's true "
-            f"single-request limit ({true:,}; margin {policy_for(name).policy.cost.margin:g}, reserve, a "
-            "full last chunk projected: a shared prefill batch can shift the chunks, tests/test_cost_schedule.py)"
+            f"the policy admits cold prompts up to {mine:,} tokens, {mine / true:.1%} of the lane's true "
+            f"single-request limit ({true:,}), priced with a full last chunk (a shared prefill batch can "
+            f"shift the chunks, tests/test_cost_schedule.py), and started alone, priced by their own "
+            f"chunk schedule, up to {alone:,} ({alone / true:.1%}) where their last chunk falls best "
+            f"(margin {p.cost.margin:g}, reserve {p.vram.reserve_bytes / 2**20:g} MiB)"
         )
     return out
 

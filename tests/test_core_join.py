@@ -154,3 +154,38 @@ def test_the_outage_burst_survives_a_neighbour_that_grows_as_a_held_request_goes
     monkeypatch.setattr(sys.modules["sidecar.core.decide"], "CONSTRAINTS", without)
     crashed = _outage_neighbour()["crashes"]
     assert len(crashed) == 1 and crashed[0]["requested_bytes"] == 1248 * MiB
+
+
+class _EarlyClock(ManualClock):
+    """An event loop's timer may fire a hair before its time on the clock it was measured on (here
+    the first one, by a millisecond)."""
+
+    early = 0.001
+
+    def call_at(self, when: float, fn):  # type: ignore[no-untyped-def, override]
+        when, self.early = when - self.early, 0.0
+        return super().call_at(when, fn)
+
+
+def test_a_settle_timer_that_fires_early_is_set_again() -> None:
+    clock = _EarlyClock()
+    a = _lane(clock)
+    first, second = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
+    first.prefill_done(measured=False)
+    second.prefill_done()
+    answered: list = []
+    third = submit(a, ask(a, 1000), answered)
+    clock.advance(0.0495)  # the timer fired at 0.049, before the settle instant
+    assert third.held
+    clock.advance(0.001)
+    assert answered == [third] and third.admitted
+
+
+def test_even_a_one_byte_join_is_waited_for(clock: ManualClock) -> None:
+    from sidecar.admission import Admission
+
+    a = Admission(small_policy(cost__batch_join_bytes=1), clock)
+    a.update_snapshot(snapshot(clock(), free_bytes=100 * MiB))
+    first, second = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
+    second.prefill_done()
+    assert first.admitted and submit(a, ask(a, 1000)).held

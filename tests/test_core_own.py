@@ -15,11 +15,12 @@ import pytest
 from sidecar.core import demand as demand_mod
 from sidecar.core.cost import project_own
 from sidecar.core.decide import Situation, decide
-from sidecar.core.decision import Action, Reason
+from sidecar.core.decision import Action, Check, Reason
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.overrun import Prefill, overruns, peak
+from sidecar.core.snapshot import DeviceMemory, GpuSignals
 from sidecar.intake import rules_of
-from tests.conftest import maxq, snapshot, with_engine
+from tests.conftest import ask, maxq, small_policy, snapshot, submit, with_engine
 
 NOW = 1000.0
 BAND = 273_347  # 96.1 % of the 284,359 tokens the lane serves alone (bench band family, seed 0)
@@ -115,7 +116,8 @@ def _own() -> demand_mod.Demand:
 def test_the_guard_keeps_the_own_price_until_the_counters_show_a_larger_hit() -> None:
     d = _own()
     own, worst = d.own_bytes(RULES), d.projected_bytes
-    assert peak(RULES, Prefill(1, d, done_tokens=0)) == own  # not started: nothing seen yet
+    # Not started: the cache counter's growth is not its own yet (nothing of it has run).
+    assert peak(RULES, Prefill(1, d, done_tokens=0, cached_bound=3_000)) == own
     assert peak(RULES, Prefill(1, d, done_tokens=8192, started=True, cached_bound=0)) == own
     moved = peak(RULES, Prefill(1, d, done_tokens=8192, started=True, cached_bound=3_000))
     assert moved == project_own(RULES.cost, BAND, BAND, 8192, 3_000) and own < moved < worst
@@ -125,6 +127,14 @@ def test_the_guard_keeps_the_own_price_until_the_counters_show_a_larger_hit() ->
     assert peak(RULES, Prefill(1, _ask(), done_tokens=0)) == worst
 
 
+def test_a_hit_the_gate_counted_is_not_taken_for_a_larger_one() -> None:
+    d = _ask(cached_tokens=1_000, own_schedule=True)
+    counted = Prefill(1, d, done_tokens=8192, started=True, cached_bound=1_000)
+    assert peak(RULES, counted) == d.own_bytes(RULES) < d.projected_bytes
+    more = Prefill(1, d, done_tokens=8192, started=True, cached_bound=1_500)
+    assert peak(RULES, more) == project_own(RULES.cost, BAND, BAND - 1_000, 8192, 500)
+
+
 def test_the_guard_aborts_it_when_a_hit_moved_its_chunks_past_the_room() -> None:
     snap = snapshot(NOW, free_bytes=None, max_total_tokens=522_880, kv_available_tokens=522_880)
     fine = Prefill(1, _own(), done_tokens=8192, started=True, cached_bound=0)
@@ -132,3 +142,90 @@ def test_the_guard_aborts_it_when_a_hit_moved_its_chunks_past_the_room() -> None
     shifted = Prefill(1, _own(), done_tokens=8192, started=True, cached_bound=3_100)
     (o,) = overruns([shifted], RULES, snap, running=1)
     assert o.key == 1 and not o.fits_idle
+
+
+def test_the_own_price_is_checked_against_the_room_now() -> None:
+    """Another process grew by 100 MiB: the request still fits the lane when idle (not unfit), but not
+    the room left now, even priced alone: held."""
+    s = _situation()
+    grown = (RULES.vram.other_processes_bytes or 0) + 100 * 2**20
+    gpu = GpuSignals(NOW, "test", (DeviceMemory("g", 0, 96 << 30, other_process_bytes=grown),))
+    d = decide(_ask(), replace(s, snapshot=replace(s.snapshot, gpu=gpu)))
+    assert d.action is Action.HOLD and d.reason is Reason.VRAM_HEADROOM
+
+
+def test_a_request_whose_own_price_is_exactly_the_cap_fits() -> None:
+    """1 KiB per chunk token, 1 B per context token, 1,000-token chunks, 1,500 tokens: a full last
+    chunk costs 1,025,500 B, its own schedule 1,025,000 B (the full first chunk ending at 1,000)."""
+    policy = small_policy(
+        cost__context_bytes_per_token=1, vram__max_transient_bytes=1_025_000, engine__max_age_s=5
+    ).policy
+    rules = rules_of(policy)
+    d = demand_mod.build(rules, 1_500, arrived_at=NOW)
+    assert (d.own_bytes(rules), d.projected_bytes) == (1_025_000, 1_025_500)
+    s = Situation(rules, snapshot(NOW), LedgerTotals(), NOW, verifies_hits=True)
+    # Not unfit; and on this lane's room it goes in at the full price (the own one is for when that
+    # does not fit).
+    fits = decide(d, s)
+    assert fits.admitted and fits.charge.projected_bytes == 1_025_500 and not fits.charge.own_prefills
+    assert decide(d, replace(s, verifies_hits=False)).reason is Reason.UNFIT_REQUEST
+
+
+def test_the_holds_name_themselves_in_the_decision() -> None:
+    """What explain and the decision log show for the two holds."""
+    own = decide(_ask(1_000), _situation(LedgerTotals(requests=1, running_requests=1, own_prefills=1)))
+    assert (
+        Check("own_schedule", False, note="a prefill priced by its own chunk schedule is in flight")
+        in own.checks
+    )
+    join = decide(_ask(1_000), replace(_situation(), join_settles_at=NOW + 1))
+    assert (
+        Check("join_pending", False, note="a streaming request has not joined the running batch yet")
+        in join.checks
+    )
+
+
+# -- the shell: the gate sees the engine's counters and runs the guard --------------------------
+
+
+def _lane(clock, *, counters: bool = True, guard: bool = True):  # type: ignore[no-untyped-def]
+    from sidecar.admission import Admission
+
+    policy = maxq() if guard else maxq().with_section("guard", enabled=False)
+    a = Admission(policy, clock)
+    progress = {"prefill_computed_tokens": 0, "prefill_cached_tokens": 0} if counters else {}
+    a.update_snapshot(
+        snapshot(clock(), free_bytes=None, max_total_tokens=522_880, kv_available_tokens=522_880, **progress)
+    )
+    return a
+
+
+@pytest.mark.parametrize(("counters", "guard"), [(False, True), (True, False)])
+def test_without_the_counters_or_the_guard_the_shell_keeps_the_full_chunk(
+    clock, counters: bool, guard: bool
+) -> None:  # type: ignore[no-untyped-def]
+    a = _lane(clock, counters=counters, guard=guard)
+    h = submit(a, ask(a, BAND, max_new_tokens=1024))
+    assert h.decision is not None and h.decision.reason is Reason.UNFIT_REQUEST
+
+
+def test_the_shell_admits_it_alone_and_the_guard_prices_it_so(clock) -> None:  # type: ignore[no-untyped-def]
+    a = _lane(clock)
+    h = submit(a, ask(a, BAND, max_new_tokens=1024))
+    assert h.admitted and a.ledger.totals.own_prefills == 1
+    (p,) = a.in_flight()
+    assert p.demand.own_schedule
+    # Its first batch ran with no hit beyond the count: the guard, on this report, leaves it be.
+    clock.advance(1.0)
+    a.update_snapshot(
+        snapshot(
+            clock(),
+            free_bytes=None,
+            max_total_tokens=522_880,
+            kv_available_tokens=514_688,
+            prefill_computed_tokens=8192,
+            prefill_cached_tokens=0,
+        )
+    )
+    assert h.admitted and not h.ended and a.overruns == 0
+    assert submit(a, ask(a, 1_000)).held  # nothing may start ahead of it

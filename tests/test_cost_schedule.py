@@ -218,6 +218,7 @@ def test_a_hit_that_wraps_the_last_chunk_costs_a_full_chunk_at_the_whole_context
     assert alone == true_peak(MAXQ_OLD, schedule(284_359, 0, 8_192, 8_192)) < worst
     assert project_own(c, 284_359, 284_359, 8_192, 5_830) < worst
     assert project_own(c, 284_359, 284_359, 8_192, 5_831) == worst
+    assert project_own(c, 284_359, 284_359, 8_192, 6_000) == worst
 
 
 def test_the_engine_model_runs_a_lone_request_at_its_own_schedule_and_a_newcomer_does_not_move_it() -> None:

@@ -7,7 +7,8 @@ gather that a bounded-gather build caps (1,024 MiB at 524,288 tokens on the old 
 bounded one). The chunk is projected full at the whole context even where the prompt's last chunk
 alone would be shorter: the engine starts a request in what is left of a shared batch's chunk budget,
 which moves every later chunk boundary, and over the first chunks it can choose a full last one is the
-worst (``tests/test_cost_schedule.py``). ``max_new_tokens`` never enters the transient. What a
+worst (``tests/test_cost_schedule.py``); only a request known to start its own prefill batch is
+priced by its own schedule (:func:`project_own`, ``decide``). ``max_new_tokens`` never enters the transient. What a
 request allocates when it joins the running batch is not a prefill term: ``CostModel.join_bytes``
 (checked by ``constraints.BatchJoin``).
 
@@ -118,15 +119,17 @@ def project_own(
     before it a full chunk ending ``L`` tokens earlier; every other chunk is smaller than that one.
 
     The engine may find up to ``extra_hit`` more of the prompt cached than the gate counted (its count
-    is a lower bound): each token more shortens the last chunk by one, until it wraps to a full chunk.
-    The bound is taken over every such hit, so with ``extra_hit + 1 >= chunk`` it is
-    :func:`project_bytes`' full chunk at the whole context, the worst over every schedule. Single-chunk
-    prompts have nothing to gain: the same figure as :func:`project_bytes`."""
-    u = max(0, uncached_tokens)
-    if u <= chunk or extra_hit + 1 >= chunk:
+    is a lower bound): each token more shortens the last chunk by one (and moves the full chunk before
+    it up by one), until the last chunk wraps to a full one. The bound is taken over every such hit: at
+    ``extra_hit >= L`` it is :func:`project_bytes`' full chunk at the whole context, the worst over
+    every schedule. Single-chunk prompts have nothing to gain: the same figure as :func:`project_bytes`."""
+    u = uncached_tokens
+    if u <= chunk:
         return project_bytes(c, shape(prompt_tokens, u, chunk))
     last = (u - 1) % chunk + 1
-    longest, shortest = (chunk, 1) if extra_hit >= last else (last, last - extra_hit)
-    final = project_bytes(c, Shape(prompt_tokens, u, longest))
+    shortest = last - extra_hit
+    if shortest < 1:  # a hit that long can make the last chunk a full one
+        return project_bytes(c, Shape(prompt_tokens, u, chunk))
+    final = project_bytes(c, Shape(prompt_tokens, u, last))
     before = project_bytes(c, Shape(prompt_tokens - shortest, u, chunk))
     return max(final, before)

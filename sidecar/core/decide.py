@@ -11,8 +11,11 @@ order it is applied:
 3. **engine_unavailable / signals_stale** - without fresh signals the gate is blind; the policy says,
    per signal, whether blind means hold, reject or admit.
 4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, the batch join, a join still
-   pending, KV pool, Mamba slots, engine queue, pending prefill tokens) - all evaluated, the first failure names the reason,
-   its policy section's ``on_exceed`` says hold or reject.
+   pending, a prefill priced by its own schedule still running, KV pool, Mamba slots, engine queue,
+   pending prefill tokens) - all evaluated, the first failure names the reason, its policy section's
+   ``on_exceed`` says hold or reject. A request that does not get in with a full last chunk at its
+   whole context, but would start its own prefill batch, is judged again priced by its own chunk
+   schedule (``_starts_own_batch``, ``cost.project_own``), and admitted at that price if it fits.
    A request that waited is admitted only on a GPU reading taken since it began waiting (where the
    headroom reads the GPU at all): it was held because the lane was short, and a reading from before
    then cannot show what changed on the card meanwhile (a neighbour that grew while an engine report
@@ -97,10 +100,9 @@ def decide(demand: Demand, s: Situation) -> Decision:
     action, reason, checks = _judge(demand, s, charge, headroom)
     if action is not Action.ADMIT and _starts_own_batch(demand, s):
         own = replace(charge, projected_bytes=demand.own_bytes(rules), own_prefills=1)
-        if own.projected_bytes < charge.projected_bytes:
-            verdict = _judge(demand, s, own, headroom)
-            if verdict[0] is Action.ADMIT:
-                (action, reason, checks), charge = verdict, own
+        verdict = _judge(demand, s, own, headroom)
+        if verdict[0] is Action.ADMIT:
+            (action, reason, checks), charge = verdict, own
     if action is Action.ADMIT and s.queued:
         old = _gpu_predates_wait(demand, s)
         if old is not None:

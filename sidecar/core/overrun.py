@@ -12,8 +12,9 @@ gets a 503 ``prefill_overrun`` (no header was sent yet: the first byte comes aft
 would (``unfit_request``'s semantics).
 
 **The rule** (:func:`overruns`, one place): every admitted request whose prefill has not finished is
-priced again with the rules now in force (``demand.reprice``: the same projection as the admission),
-and their peaks are summed, as the ledger sums them at admission (``core/ledger.py`` says why the sum).
+priced again with the rules now in force (``demand.reprice``: the same projection as the admission;
+one admitted by its own chunk schedule by the cache hit the counters show, :func:`peak`), and their
+peaks are summed, as the ledger sums them at admission (``core/ledger.py`` says why the sum).
 1. one whose repriced peak exceeds the largest transient the lane can ever run (``vram.transient_cap``)
    is aborted, without Retry-After;
 2. then, while the sum exceeds the room the lane has for prefill transients now (its idle budget less
