@@ -36,7 +36,7 @@ def _situation(
 
 
 def _decide(s: Situation):  # type: ignore[no-untyped-def]
-    return decide(ask(small_policy().policy, 1000, now=s.now), s)
+    return decide(ask(small_policy().policy, 1500, now=s.now), s)  # two 1,000-token chunks
 
 
 def test_a_pending_join_holds_a_newcomer_until_it_settles() -> None:
@@ -94,7 +94,7 @@ def test_the_gate_holds_a_newcomer_from_a_stream_s_first_token_to_its_settle(clo
     assert first.admitted and second.admitted
     second.prefill_done()  # first byte of a stream that joins the running batch of two
     answered: list = []
-    third = submit(a, ask(a, 1000), answered)
+    third = submit(a, ask(a, 1500), answered)
     assert third.held
     assert third.decision is not None and [c.name for c in third.decision.checks if not c.ok] == [
         "join_pending"
@@ -115,10 +115,19 @@ def test_a_request_alone_or_a_non_streamed_answer_holds_nobody(clock: ManualCloc
     a = _lane(clock)
     alone = submit(a, ask(a, 1000))
     alone.prefill_done()  # alone in the running batch: no join
-    assert submit(a, ask(a, 1000)).admitted
+    assert submit(a, ask(a, 1500)).admitted
     other = submit(a, ask(a, 1000))
     other.prefill_done(measured=False)
-    assert submit(a, ask(a, 1000)).admitted
+    assert submit(a, ask(a, 1500)).admitted
+
+
+def test_a_prompt_of_one_chunk_is_not_held(clock: ManualClock) -> None:
+    """It adds one prefill batch at most: the unit SGLang interleaves prefills and decode steps at."""
+    a = _lane(clock)
+    first, second = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
+    second.prefill_done()
+    assert first.admitted and submit(a, ask(a, 1000)).admitted
+    assert submit(a, ask(a, 1001)).held
 
 
 def test_an_aborted_prefill_ahead_of_the_join_restarts_the_settle(clock: ManualClock) -> None:
@@ -126,7 +135,7 @@ def test_an_aborted_prefill_ahead_of_the_join_restarts_the_settle(clock: ManualC
     first, second = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
     first.prefill_done()
     answered: list = []
-    third = submit(a, ask(a, 1000), answered)
+    third = submit(a, ask(a, 1500), answered)
     clock.advance(1.0)
     assert third.held
     second.end(Outcome.CLIENT_GONE)  # the prefill ahead of the join left: the decode step comes next
@@ -174,7 +183,7 @@ def test_a_settle_timer_that_fires_early_is_set_again() -> None:
     first.prefill_done(measured=False)
     second.prefill_done()
     answered: list = []
-    third = submit(a, ask(a, 1000), answered)
+    third = submit(a, ask(a, 1500), answered)
     clock.advance(0.0495)  # the timer fired at 0.049, before the settle instant
     assert third.held
     clock.advance(0.001)
@@ -188,4 +197,4 @@ def test_even_a_one_byte_join_is_waited_for(clock: ManualClock) -> None:
     a.update_snapshot(snapshot(clock(), free_bytes=100 * MiB))
     first, second = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
     second.prefill_done()
-    assert first.admitted and submit(a, ask(a, 1000)).held
+    assert first.admitted and submit(a, ask(a, 1500)).held

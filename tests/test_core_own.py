@@ -178,7 +178,7 @@ def test_the_holds_name_themselves_in_the_decision() -> None:
         Check("own_schedule", False, note="a prefill priced by its own chunk schedule is in flight")
         in own.checks
     )
-    join = decide(_ask(1_000), replace(_situation(), join_settles_at=NOW + 1))
+    join = decide(_ask(10_000), replace(_situation(), join_settles_at=NOW + 1))
     assert (
         Check("join_pending", False, note="a streaming request has not joined the running batch yet")
         in join.checks

@@ -106,8 +106,12 @@ class JoinPending:
     the monitor raises the margin) then finds the join with no way out. Held, the newcomer waits one
     decode step (``cost.join_settle_s``) after the last prefill ahead of the join has ended.
 
-    Always a hold (never the VRAM section's ``reject``): the window closes on its own within a decode
-    step. Reason ``vram_headroom``, check ``join_pending``; absent while no join is pending.
+    A prompt of at most one chunk is not held: it adds at most one prefill batch, the unit at which
+    SGLang interleaves prefills and decode steps anyway, and holding every short request for a settle
+    time after every first token would add that much to the time to first token of every request on
+    a lane of short ones. Always a hold (never the VRAM section's ``reject``): the window closes on its
+    own within a decode step. Reason ``vram_headroom``, check ``join_pending``; absent while no join is
+    pending.
     """
 
     reason = Reason.VRAM_HEADROOM
@@ -116,7 +120,7 @@ class JoinPending:
         return ExceedAction.HOLD
 
     def check(self, demand: Demand, r: Reading) -> Check | None:
-        if not r.join_pending:
+        if not r.join_pending or demand.uncached_tokens <= demand.chunk_size:
             return None
         return Check("join_pending", False, note="a streaming request has not joined the running batch yet")
 
