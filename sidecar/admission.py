@@ -566,12 +566,17 @@ class Admission:
         """An admitted prefill ended (``joins``: a stream's first token that joins a running batch):
         the instant a pending join is taken to be done moves (``core/decide.join_settles``), timed so
         that the held requests are decided again then."""
-        at = join_settles(self._join_at, self.clock.now(), self.rules.cost.join_settle_s, joins=joins)
-        if at is None:  # no join pending, and this prefill joins none
-            return
+        now = self.clock.now()
+        at = join_settles(self._join_at, now, self.rules.cost.join_settle_s, joins=joins)
         if self._join_timer is not None:
             self._join_timer.cancel()
-        self._join_at, self._join_timer = at, self.clock.call_at(at, self._join_settled)
+            self._join_timer = None
+        if at is None or (at <= now and not self.ledger.totals.requests):
+            self._join_at = None  # nothing pending, or done at once: no settle time, no prefill ahead
+            return
+        self._join_at = at
+        if at > now:
+            self._join_timer = self.clock.call_at(at, self._join_settled)
 
     def _join_settled(self) -> None:
         """The settle time has passed: the join is done unless a prefill is still ahead of it (its end

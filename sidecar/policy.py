@@ -178,9 +178,10 @@ class Cost(_Strict):
     batch_join_bytes: Size | None = None
     batch_join_bytes_per_running_request: Size = 0
     # How long after a streamed first token the join is taken to be done when no admitted prefill is
-    # ahead of it: one decode step of this lane, with room to spare (new prefills wait that long:
-    # SGLang runs any prefill before the decode step that makes the join).
-    join_settle_s: float = Field(default=0.05, ge=0, le=5)
+    # ahead of it (new prefills wait that long). 0: at once, as on SGLang, whose scheduler launches
+    # the next batch before it sends the last one's tokens (evidence S25); an engine that sends first
+    # tokens before it schedules its next step needs one decode step here.
+    join_settle_s: float = Field(default=0.0, ge=0, le=5)
     margin: float = Field(default=1.0, ge=1.0)
     # The longest probe of the calibration these coefficients come from: beyond it they are an
     # extrapolation (shown by check-policy and /admission/state). None: not calibrated.

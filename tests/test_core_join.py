@@ -198,3 +198,26 @@ def test_even_a_one_byte_join_is_waited_for(clock: ManualClock) -> None:
     first, second = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
     second.prefill_done()
     assert first.admitted and submit(a, ask(a, 1500)).held
+
+
+def test_with_no_settle_time_the_join_is_done_at_the_first_token_unless_a_prefill_is_ahead(
+    clock: ManualClock,
+) -> None:
+    """The default (SGLang launches its next batch before it sends the last one's tokens, evidence
+    S25): a first token with no admitted prefill ahead holds nobody and arms no timer; with one ahead,
+    newcomers wait for its end, then go in at once."""
+    a = _lane(clock, settle=0.0)
+    first, second = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
+    first.prefill_done(measured=False)
+    timers = clock.pending
+    second.prefill_done()
+    newcomer = submit(a, ask(a, 1500))
+    assert clock.pending == timers and newcomer.admitted
+    newcomer.end(Outcome.COMPLETED)
+    third, fourth = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
+    third.prefill_done()  # fourth still prefills: the engine runs it before the join
+    answered: list = []
+    fifth = submit(a, ask(a, 1500), answered)
+    assert fifth.held and clock.pending == timers + 1  # its hold deadline only
+    fourth.prefill_done()  # the prefill ahead ended, and fourth joins too: both at the next step
+    assert answered == [fifth] and fifth.admitted

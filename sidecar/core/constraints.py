@@ -103,8 +103,9 @@ class JoinPending:
     in-flight guard cannot abort it. Admitting a prefill in that window puts the whole prefill in
     front of the join, stretching the time an unabortable allocation is pending from one decode step
     to a whole prefill; anything that shrinks the room meanwhile (another process on the card grows,
-    the monitor raises the margin) then finds the join with no way out. Held, the newcomer waits one
-    decode step (``cost.join_settle_s``) after the last prefill ahead of the join has ended.
+    the monitor raises the margin) then finds the join with no way out. Held, the newcomer waits until
+    the last prefill ahead of the join has ended, plus ``cost.join_settle_s`` (0 by default: SGLang
+    launches its next batch before it sends the last one's tokens).
 
     A prompt of at most one chunk is not held: it adds at most one prefill batch, the unit at which
     SGLang interleaves prefills and decode steps anyway, and holding every short request for a settle

@@ -63,7 +63,7 @@ class CostModel:
     batch_join_bytes_per_running_request: int = 0
     # How long after a streamed first token, with no prefill ahead of it, the engine's next decode step
     # (where the running batch allocates the join) is taken to have started (``constraints.JoinPending``).
-    join_settle_s: float = 0.05
+    join_settle_s: float = 0.0
 
     def join_bytes(self, running: int) -> int:
         """What the running batch allocates when it grows to ``running`` requests, margin included."""
