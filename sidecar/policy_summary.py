@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from sidecar.core.cost import project_bytes, shape
+from sidecar.core.cost import project_bytes, project_own, shape
 from sidecar.core.decision import Action
 from sidecar.core.rules import Rules
 from sidecar.intake import rules_of
@@ -77,6 +77,19 @@ def _largest(fits, hi: int) -> int:  # type: ignore[no-untyped-def]
     return lo
 
 
+def _alone(rules: Rules, chunk: int, cap: int, n: int | None) -> int | None:
+    """The longest cold prompt the gate admits when it starts its own prefill batch, priced by its own
+    chunk schedule (``core/cost.project_own``), where that is longer than ``n`` (the longest with a full
+    last chunk). Its last full chunk must end by ``n`` (that chunk alone is a full chunk at that
+    context), so the block after the last multiple of ``chunk`` up to ``n`` is the only candidate, and
+    in it the price grows with the length: a bisection."""
+    if n is None or n < chunk:
+        return None
+    start = n // chunk * chunk
+    best = _largest(lambda k: project_own(rules.cost, start + k, start + k, chunk) <= cap, chunk - 1)
+    return start + best if start + best > n else None
+
+
 def summarize(
     policy: Policy,
     *,
@@ -118,6 +131,12 @@ def summarize(
             if policy.vram.max_transient_bytes is None
             else "vram.max_transient_bytes"
         )
+        alone = _alone(rules, chunk, cap, n) if policy.guard.enabled else None
+        if alone is not None:
+            how += (
+                f"; alone, priced by its own chunk schedule, up to {alone:,} where its last chunk falls "
+                "best (an engine exporting its prefill counters)"
+            )
         limits.append(
             PromptLimit("transient", n, f"projected prefill transient <= {format_size(cap)}: {how}")
         )

@@ -113,6 +113,26 @@ def test_outage_policy_summary_in_sre_numbers() -> None:
     assert set(s.on_stale) == {"engine", "gpu"} and "held, up to 600 s" in s.on_stale["engine"]
 
 
+def test_the_summary_says_how_far_a_request_alone_goes() -> None:
+    """Priced by its own chunk schedule (core/decide): 276,977 on the outage lane, the longest whose
+    own peak fits, as the bench's scan of the gate finds it (evidence D15); not without the guard."""
+    from sidecar.core.cost import project_own
+
+    loaded = load_policy_file(OLD)
+    why = {lim.by: lim.why for lim in summarize(loaded.policy).prompt_limits}["transient"]
+    assert "alone, priced by its own chunk schedule, up to 276,977 where its last chunk falls best" in why
+    rules = rules_of(loaded.policy)
+    cap = rules.vram.transient_cap()
+    assert cap is not None
+    assert (
+        project_own(rules.cost, 276_977, 276_977, 8192)
+        <= cap
+        < project_own(rules.cost, 276_978, 276_978, 8192)
+    )
+    off = loaded.with_section("guard", enabled=False).policy
+    assert "alone" not in {lim.by: lim.why for lim in summarize(off).prompt_limits}["transient"]
+
+
 def test_check_policy_ends_with_what_the_policy_will_do() -> None:
     r = run("check-policy", str(OLD))
     assert r.returncode == 0, r.stderr
