@@ -570,7 +570,7 @@ class Admission:
         at = join_settles(self._join_at, now, self.rules.cost.join_settle_s, joins=joins)
         if self._join_timer is not None:
             self._join_timer.cancel()
-            self._join_timer = None
+        self._join_timer = None
         if at is None or (at <= now and not self.ledger.totals.requests):
             self._join_at = None  # nothing pending, or done at once: no settle time, no prefill ahead
             return

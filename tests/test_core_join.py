@@ -213,7 +213,10 @@ def test_with_no_settle_time_the_join_is_done_at_the_first_token_unless_a_prefil
     second.prefill_done()
     newcomer = submit(a, ask(a, 1500))
     assert clock.pending == timers and newcomer.admitted
+    another = submit(a, ask(a, 1500))
+    assert another.admitted  # the join was done at once: nothing pends behind a newcomer
     newcomer.end(Outcome.COMPLETED)
+    another.end(Outcome.COMPLETED)
     third, fourth = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
     third.prefill_done()  # fourth still prefills: the engine runs it before the join
     answered: list = []
@@ -221,3 +224,10 @@ def test_with_no_settle_time_the_join_is_done_at_the_first_token_unless_a_prefil
     assert fifth.held and clock.pending == timers + 1  # its hold deadline only
     fourth.prefill_done()  # the prefill ahead ended, and fourth joins too: both at the next step
     assert answered == [fifth] and fifth.admitted
+
+
+def test_a_prefill_that_ends_before_its_first_token_joins_nothing(clock: ManualClock) -> None:
+    a = _lane(clock, settle=0.0)
+    first, second = submit(a, ask(a, 1000)), submit(a, ask(a, 1000))
+    first.end(Outcome.CLIENT_GONE)  # no join came of it; the other one still prefills
+    assert second.admitted and submit(a, ask(a, 1500)).admitted
