@@ -67,6 +67,8 @@ class LagProbe:
             "gc_max_ms": 1000 * max((d for _, d in pauses), default=0.0),
             # Objects start-up moved out of the collector's sight (``cli._freeze_startup_objects``).
             "gc_frozen": FROZEN[0],
+            # ``cli._prefer_the_loop``: how soon the loop's thread gets the GIL back from a poller's.
+            "switch_interval_s": sys.getswitchinterval(),
         }
 
 

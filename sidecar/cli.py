@@ -397,6 +397,7 @@ def run_uvicorn(
         async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
             await super().startup(sockets)
             _freeze_startup_objects()
+            _prefer_the_loop()
 
     server = DrainingServer(config)
     if admin is None:
@@ -464,6 +465,20 @@ def _freeze_startup_objects() -> None:
 
     gc.collect()
     gc.freeze()
+
+
+# How long a thread holding the GIL keeps it while another thread waits (CPython's default: 5 ms).
+LOOP_SWITCH_INTERVAL_S = 0.001
+
+
+def _prefer_the_loop() -> None:
+    """The pollers' blocking work runs on threads (``signals/worker.py``): parsing a ``/metrics``
+    exposition of 8x the usual series takes tens of ms of Python there, and the event loop's thread,
+    asking for the GIL back, waited a whole switch interval (5 ms) each time: 6-9 ms loop stalls with
+    nothing but polling going on (``bench/overhead.py --metrics-repeat 8``, on 2 cores and on the
+    H200 host). At 1 ms the loop gets the GIL back within a millisecond; the threads only lose time
+    when the loop wants the interpreter, which is what the loop is for."""
+    sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
 
 
 def _wait(args: argparse.Namespace) -> int:
