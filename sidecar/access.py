@@ -77,6 +77,10 @@ class AccessLog:
             ended = f"error:{type(e).__name__}"
             raise
         finally:
+            # The server's send is a bound method of its request cycle, which holds this scope: left in
+            # the note, cycle -> scope -> note -> send -> cycle would outlive the request until a
+            # garbage collection (one such cycle per request, and full collections of them at load).
+            note.pop("raw_send", None)
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

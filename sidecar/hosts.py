@@ -111,7 +111,11 @@ def is_loopback(host: str) -> bool:
 
 def json_body_refusal(headers: list[tuple[bytes, bytes]]) -> Response | None:
     """None when the Content-Type is ``application/json`` or ``application/<x>+json``; else 415."""
-    value = next((v for k, v in headers if k == b"content-type"), None)
+    value = None
+    for k, v in headers:  # on every gated request: a loop, not a generator
+        if k == b"content-type":
+            value = v
+            break
     if value is not None:
         media = value.split(b";", 1)[0].strip().lower()
         if media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json")):

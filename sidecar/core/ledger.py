@@ -20,12 +20,10 @@ together on the H200 lane of ``bench/admission.py``, which then crashed; ``tests
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from itertools import count
 
 from sidecar.core.decision import Booked, Charge
-
-_BOOKED = fields(Booked)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +62,7 @@ class Ledger:
     def charge(self, charge: Charge) -> int:
         key = next(self._ids)
         self._entries[key] = _Entry(charge)
-        self._totals = _running(_prefill(self._totals, charge, 1), charge, 1)
+        self._totals = _added(self._totals, charge, prefill=1, running=1)
         return key
 
     def prefill_done(self, key: int) -> bool:
@@ -74,7 +72,7 @@ class Ledger:
         if entry is None or not entry.prefilling:
             return False
         self._entries[key] = replace(entry, prefilling=False)
-        self._totals = _prefill(self._totals, entry.charge, -1)
+        self._totals = _added(self._totals, entry.charge, prefill=-1, running=0)
         return True
 
     def release(self, key: int) -> bool:
@@ -82,19 +80,28 @@ class Ledger:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        totals = _prefill(self._totals, entry.charge, -1) if entry.prefilling else self._totals
-        self._totals = _running(totals, entry.charge, -1)
+        self._totals = _added(self._totals, entry.charge, prefill=-1 if entry.prefilling else 0, running=-1)
         return True
 
 
-def _prefill(t: LedgerTotals, c: Charge, sign: int) -> LedgerTotals:
-    booked = {f.name: getattr(t, f.name) + sign * getattr(c, f.name) for f in _BOOKED}
-    return replace(t, requests=t.requests + sign, sequences=t.sequences + sign * c.sequences, **booked)
+def _added(t: LedgerTotals, c: Charge, *, prefill: int, running: int) -> LedgerTotals:
+    """``t`` with ``c``'s prefill part (the booked quantities, the request and its sequences) added
+    ``prefill`` times and its running part (the running request and its Mamba slots) ``running`` times
+    (each -1, 0 or 1).
 
-
-def _running(t: LedgerTotals, c: Charge, sign: int) -> LedgerTotals:
-    return replace(
-        t,
-        running_requests=t.running_requests + sign,
-        running_mamba_slots=t.running_mamba_slots + sign * c.mamba_slots,
+    One construction, every field named: this runs three times per gated request (charge, prefill
+    end, release), where ``dataclasses.replace`` over the fields by name made that cycle ~12 µs, now
+    ~7.5 (2 cores). ``tests/test_ledger_totals.py`` checks it against that generic sum field by field,
+    so a field added to ``Booked`` and missed here fails there.
+    """
+    return LedgerTotals(
+        prefill_tokens=t.prefill_tokens + prefill * c.prefill_tokens,
+        kv_tokens=t.kv_tokens + prefill * c.kv_tokens,
+        projected_bytes=t.projected_bytes + prefill * c.projected_bytes,
+        mamba_slots=t.mamba_slots + prefill * c.mamba_slots,
+        own_prefills=t.own_prefills + prefill * c.own_prefills,
+        requests=t.requests + prefill,
+        sequences=t.sequences + prefill * c.sequences,
+        running_requests=t.running_requests + running,
+        running_mamba_slots=t.running_mamba_slots + running * c.mamba_slots,
     )

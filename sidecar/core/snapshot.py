@@ -58,10 +58,11 @@ class EngineSignals:
 
     @property
     def mamba_total_slots(self) -> int | None:
-        parts = (self.mamba_used_slots, self.mamba_available_slots)
-        if any(p is None for p in parts):
+        # Read on every gated request (twice): plain tests, no generator per call.
+        used, available = self.mamba_used_slots, self.mamba_available_slots
+        if used is None or available is None:
             return None
-        return sum(p for p in parts if p is not None) + (self.mamba_evictable_slots or 0)
+        return used + available + (self.mamba_evictable_slots or 0)
 
 
 @dataclass(frozen=True, slots=True)
