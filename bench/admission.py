@@ -738,28 +738,34 @@ def acceptance(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             notes.append(f"SHORT: {s['all_crashes']} crash(es) ({', '.join(bad)})")
         if s["vs_oracle"] is not None and s["vs_oracle"] < 0.95:
             notes.append(f"SHORT: {s['vs_oracle']:.0%} of oracle goodput (< 95 %)")
-        better = [
-            g
+        # "Every baseline that also had zero crashes on that scenario": the same bar as the sidecar's,
+        # every seed and robustness setting. A baseline that wins on the default setting and crashes off
+        # it (tuned there, as the sweep does) is a different trade; it is named, as a note, not a miss.
+        above = {
+            g: c
             for g, c in gates.items()
             if g not in ("sidecar", "oracle")
             and c["crashes"] == 0
             and (c["goodput"] or 0) > (s["goodput"] or 0) * 1.0001
-        ]
+        }
+        better = [g for g, c in above.items() if c["all_crashes"] == 0]
         if better:
-            # How far below, and whether the better baseline stays crash-free off the default setting
-            # (baselines are tuned there; a rule that wins by a hair and crashes under x1.2 is a
-            # different trade from one that wins everywhere).
             notes.append("SHORT: below zero-crash " + ", ".join(
-                f"{g} (by {1 - (s['goodput'] or 0) / gates[g]['goodput']:.2%}"
-                + (f"; it crashes {gates[g]['all_crashes']} times off the default setting)"
-                   if gates[g]["all_crashes"] else ")")
-                for g in better
+                f"{g} (by {1 - (s['goodput'] or 0) / gates[g]['goodput']:.2%})" for g in better
             ))  # fmt: skip
+        caveats = [
+            f"{g} is above it on the default setting (the sidecar {1 - (s['goodput'] or 0) / c['goodput']:.2%} "
+            f"below) but crashes {c['all_crashes']} times off it "
+            f"({', '.join(k for k, (n, _) in c['robust'].items() if n)}): not a zero-crash rival"
+            for g, c in above.items()
+            if c["all_crashes"]
+        ]
         vs = "-" if s["vs_oracle"] is None else f"{s['vs_oracle']:.0%}"
         lines.append(
             f"  {name:24s} " + ("; ".join(notes) if notes else f"meets the targets ({vs} of oracle)")
         )
-        if notes:
+        lines += [f"  {'':24s}   note: {c}" for c in caveats]
+        if notes or caveats:
             lines += [f"  {'':24s}   why: {w}" for w in why_short(name, gates)]
     return lines
 
@@ -808,7 +814,8 @@ def format_tables(rows: list[dict[str, Any]], fid: list[tuple[str, str, str]]) -
             lines.append(f"  {name:24s}{g:16s}" + "".join(cells))
         lines.append("")
     lines += [
-        "Acceptance (sidecar: zero crashes everywhere; >= 95 % of oracle; >= every zero-crash baseline)",
+        "Acceptance (sidecar: zero crashes everywhere; >= 95 % of oracle; >= every baseline with zero crashes",
+        "on every seed and setting of the scenario, the bar the sidecar is held to)",
         "",
     ]
     lines += acceptance(summary)

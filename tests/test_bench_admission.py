@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from tests.conftest import ROOT
 
@@ -36,6 +37,17 @@ GATES = {
     "sidecar",
     "oracle",
 }
+
+
+def _bench() -> ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_admission", ROOT / "bench" / "admission.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_admission"] = bench  # a pool's workers pickle run_task by this name
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def test_a_tiny_run_writes_rows_of_every_gate_and_the_oracle_bounds_them(tmp_path: Path) -> None:
@@ -82,14 +94,9 @@ def test_a_tiny_run_writes_rows_of_every_gate_and_the_oracle_bounds_them(tmp_pat
 def test_rows_do_not_depend_on_the_number_of_workers() -> None:
     """Runs are pure functions of their task: one process and a pool of two give the same rows."""
     import argparse
-    import importlib.util
     from concurrent.futures import ProcessPoolExecutor
 
-    spec = importlib.util.spec_from_file_location("bench_admission", ROOT / "bench" / "admission.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_admission"] = bench  # the pool's workers pickle run_task by this name
-    spec.loader.exec_module(bench)
+    bench = _bench()
     args = argparse.Namespace(
         scenarios=["paired-250k-cold"], seeds=2, settings=["default/neighbour"], quick=True
     )
@@ -101,3 +108,44 @@ def test_rows_do_not_depend_on_the_number_of_workers() -> None:
     with ProcessPoolExecutor(2) as pool:
         assert rows(pool) == alone
     assert {r["gate"] for r in alone} == GATES and len({r["seed"] for r in alone}) == 2
+
+
+def _cell(goodput: float, default_crashes: int, off_default_crashes: int, vs_oracle: float = 1.0) -> dict:
+    robust = {"default/none": (default_crashes, vs_oracle), "default/x1.2": (off_default_crashes, 0.0)}
+    return {
+        "setting": "s",
+        "by": {},
+        "crashes": default_crashes,
+        "goodput": goodput,
+        "vs_oracle": vs_oracle,
+        "robust": robust,
+        "all_crashes": default_crashes + off_default_crashes,
+    }
+
+
+def test_a_baseline_is_a_rival_only_when_it_is_crash_free_on_every_setting_as_the_sidecar_must_be() -> None:
+    """The acceptance compares the sidecar with "every baseline that also had zero crashes on that
+    scenario": one above it that crashes off the default setting is named in a note, not a SHORT; one
+    above it that never crashes is a SHORT; one below it, or crashing on the default setting, is neither."""
+    bench = _bench()
+    summary = {
+        "sc": {
+            "sidecar": _cell(100.0, 0, 0, vs_oracle=0.99),
+            "oracle": _cell(101.0, 0, 0),
+            "max-length": _cell(101.0, 0, 3),
+            "static-cap": _cell(99.0, 0, 0),
+            "none": _cell(500.0, 2, 0),
+        }
+    }
+    lines = bench.acceptance(summary)
+    assert lines[0].split() == ["sc", "meets", "the", "targets", "(99%", "of", "oracle)"]
+    notes = [x for x in lines if "note:" in x]
+    assert (
+        len(notes) == 1 and "max-length" in notes[0] and "crashes 3 times off it (default/x1.2)" in notes[0]
+    )
+    assert not any("SHORT" in x for x in lines)
+
+    summary["sc"]["token-budget"] = _cell(102.0, 0, 0)
+    lines = bench.acceptance(summary)
+    assert "SHORT: below zero-crash token-budget (by 1.96%)" in lines[0]
+    assert "max-length" not in lines[0] and "none" not in lines[0]
