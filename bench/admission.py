@@ -754,8 +754,8 @@ def acceptance(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
                 f"{g} (by {1 - (s['goodput'] or 0) / gates[g]['goodput']:.2%})" for g in better
             ))  # fmt: skip
         caveats = [
-            f"{g} is above it on the default setting (the sidecar {1 - (s['goodput'] or 0) / c['goodput']:.2%} "
-            f"below) but crashes {c['all_crashes']} times off it "
+            f"{g}: the sidecar is {1 - (s['goodput'] or 0) / c['goodput']:.2%} below it on the default setting, "
+            f"but it crashes {c['all_crashes']} time{'s' if c['all_crashes'] > 1 else ''} off it "
             f"({', '.join(k for k, (n, _) in c['robust'].items() if n)}): not a zero-crash rival"
             for g, c in above.items()
             if c["all_crashes"]
