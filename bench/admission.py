@@ -454,6 +454,9 @@ def study(args: argparse.Namespace, pool: ProcessPoolExecutor | None) -> list[di
     names = args.scenarios or (shipped_names() + FAMILIES)
     seeds = range(args.seeds)
     settings = SETTINGS if not args.settings else [s for s in SETTINGS if f"{s[0]}/{s[1]}" in args.settings]
+    # The oracle always runs: its span is every other run's floor, its goodput the bound.
+    gates = [g for g in GATES if g == "oracle" or not getattr(args, "gates", None) or g in args.gates]
+    swept = [g for g in sorted(SWEPT) if g in gates]
     # 1. the oracle everywhere (its span is every other run's floor) and, in the same pass, the sweeps
     #    of the tunable baselines on the default setting
     tasks = [Task(n, i, lag, pert, "oracle") for n in names for i in seeds for lag, pert in settings]
@@ -461,7 +464,7 @@ def study(args: argparse.Namespace, pool: ProcessPoolExecutor | None) -> list[di
     tasks += [
         Task(n, i, "default", "none", g, v)
         for n in names
-        for g in sorted(SWEPT)
+        for g in swept
         for v in sweep_values(g, profile_for(scenario(n, 0).profile), args.quick)
         for i in seeds
     ]
@@ -472,7 +475,7 @@ def study(args: argparse.Namespace, pool: ProcessPoolExecutor | None) -> list[di
     add_goodput(sweep, oracle_span)
     best: dict[tuple[str, str], int | None] = {}
     for n in names:
-        for g in SWEPT:
+        for g in swept:
             best[(n, g)] = best_value([r for r in sweep if r["scenario"] == n and r["gate"] == g])
     for r in sweep:
         r["sweep"] = True
@@ -480,7 +483,7 @@ def study(args: argparse.Namespace, pool: ProcessPoolExecutor | None) -> list[di
     # 2. every gate (swept ones at their best) on every setting
     tasks = []
     for n in names:
-        for g in GATES:
+        for g in gates:
             if g == "oracle":
                 continue
             for lag, pert in settings:
@@ -497,6 +500,39 @@ def study(args: argparse.Namespace, pool: ProcessPoolExecutor | None) -> list[di
     for r in rows:
         r.setdefault("sweep", False)
         r.setdefault("best", r["gate"] not in SWEPT)
+        r["crash_check"] = False
+    return rows + zero_crash_check(args, names, settings, pool)
+
+
+def zero_crash_check(
+    args: argparse.Namespace,
+    names: list[str],
+    settings: list[tuple[str, str]],
+    pool: ProcessPoolExecutor | None,
+) -> list[dict[str, Any]]:
+    """The sidecar alone on the seeds past the tables' (``--crash-seeds``), every scenario and setting.
+
+    Why: "zero crashes on every seed" over three seeds says little about a gate whose margin does not
+    cover a perturbation, where a crash needs an unlucky draw on one request at the edge of its policy
+    (the band family under noise crashes 1 and 5 times in 20 seeds, none in the first three). These
+    rows count crashes only: no oracle ran on their seeds, so their goodput is over their own span and
+    is compared with nothing, and the tables leave them out (``crash_check``)."""
+    extra = range(args.seeds, getattr(args, "crash_seeds", 0) or 0)
+    if not extra or (getattr(args, "gates", None) and "sidecar" not in args.gates):
+        return []
+    tasks = [Task(n, i, lag, pert, "sidecar") for n in names for i in extra for lag, pert in settings]
+    rows = run_all(tasks, pool, "zero-crash check")
+    add_goodput(rows, {})
+    for r in rows:
+        r.update(
+            crash_check=True,
+            sweep=False,
+            best=False,
+            goodput_vs_oracle=None,
+            oracle_goodput_tokens_per_s=None,
+            bound_goodput_tokens_per_s=None,
+            bound_gate="",
+        )
     return rows
 
 
@@ -726,7 +762,20 @@ def why_short(name: str, gates: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
-def acceptance(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+def checked_crashes(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """The zero-crash check's crashed seeds, per scenario and setting (every scenario it ran is a key)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for r in rows:
+        if r.get("crash_check"):
+            by = out.setdefault(r["scenario"], {})
+            if r["crashes"]:
+                by.setdefault(f"{r['lag']}/{r['perturbation']}", []).append(r["seed"])
+    return out
+
+
+def acceptance(
+    summary: dict[str, dict[str, dict[str, Any]]], checked: dict[str, dict[str, list[int]]] | None = None
+) -> list[str]:
     lines = []
     for name, gates in summary.items():
         s = gates.get("sidecar")
@@ -736,6 +785,14 @@ def acceptance(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         if s["all_crashes"]:
             bad = [k for k, (c, _) in s["robust"].items() if c]
             notes.append(f"SHORT: {s['all_crashes']} crash(es) ({', '.join(bad)})")
+        more = (checked or {}).get(name, {})
+        if more:
+            n = sum(len(v) for v in more.values())
+            where = ", ".join(
+                f"{k} seed{'s' if len(v) > 1 else ''} {', '.join(map(str, sorted(v)))}"
+                for k, v in more.items()
+            )
+            notes.append(f"SHORT: {n} crash{'es' if n > 1 else ''} in the zero-crash check ({where})")
         if s["vs_oracle"] is not None and s["vs_oracle"] < 0.95:
             notes.append(f"SHORT: {s['vs_oracle']:.0%} of oracle goodput (< 95 %)")
         # "Every baseline that also had zero crashes on that scenario": the same bar as the sidecar's,
@@ -813,12 +870,16 @@ def format_tables(rows: list[dict[str, Any]], fid: list[tuple[str, str, str]]) -
                 cells.append(f"{n:>8d} / {('-' if vs is None else f'{vs:.0%}'):>6s}  ")
             lines.append(f"  {name:24s}{g:16s}" + "".join(cells))
         lines.append("")
+    checked = checked_crashes(rows)
+    seeds = sorted({r["seed"] for r in rows if r.get("crash_check")})
+    check = f" and {len(seeds)} more seeds of the sidecar alone (the zero-crash check)" if seeds else ""
     lines += [
-        "Acceptance (sidecar: zero crashes everywhere; >= 95 % of oracle; >= every baseline with zero crashes",
-        "on every seed and setting of the scenario, the bar the sidecar is held to)",
+        f"Acceptance (sidecar: zero crashes on every seed and setting{check}; >= 95 % of oracle;",
+        ">= every baseline with zero crashes on every seed and setting of the scenario, the bar the sidecar",
+        "is held to)",
         "",
     ]
-    lines += acceptance(summary)
+    lines += acceptance(summary, checked)
     lines += ["", "Best settings of the swept baselines (zero crashes on every seed first, then goodput)", ""]
     for name, gates in summary.items():
         lines.append(
@@ -835,6 +896,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     from matplotlib.colors import LinearSegmentedColormap
 
     summary = summarise(rows)
+    checked = checked_crashes(rows)
     names = list(summary)
     gates = [g for g in GATES if any(g in summary[n] for n in names)]
     fig, ax = plt.subplots(figsize=(max(9.0, 2.0 + 1.45 * len(names)), 1.6 + 0.62 * len(gates)), dpi=130)
@@ -857,8 +919,16 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                 weight="bold",
             )
             crashes = c["all_crashes"]
-            if crashes:
-                label = f"{crashes} crash{'es' if crashes != 1 else ''} ({c['crashes']} default)"
+            more = sum(len(v) for v in checked.get(n, {}).values()) if g == "sidecar" else 0
+            if crashes or more:
+                label = " + ".join(
+                    (
+                        [f"{crashes} crash{'es' if crashes != 1 else ''} ({c['crashes']} default)"]
+                        if crashes
+                        else []
+                    )
+                    + ([f"{more} crash{'es' if more != 1 else ''} on further seeds"] if more else [])
+                )
                 box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"}
                 ax.text(
                     x + 0.5,
@@ -881,7 +951,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                     fontsize=7,
                     color="black" if vs < 0.7 else "white",
                 )
-            if crashes:
+            if crashes or more:
                 ax.add_patch(plt.Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, fill=False, ec="#d7191c", lw=2))
     ax.set_xlim(0, len(names))
     ax.set_ylim(len(gates), 0)
@@ -895,7 +965,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         0.01,
         0.01,
         "cell: goodput as % of the oracle's (the best crash-free run on the same seed, the oracle's included; default setting, mean over seeds)\n"
-        "red: crashes over all seeds and robustness settings (slow signals, transients x1.2, 5/10 % noise, neighbour)",
+        "red: crashes over all seeds and robustness settings (slow signals, transients x1.2, 5/10 % noise, neighbour)"
+        + ("; the sidecar's also over the zero-crash check's further seeds" if checked else ""),
         fontsize=7.5,
         color="#555",
     )
@@ -905,9 +976,13 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def _title(rows: list[dict[str, Any]]) -> str:
-    seeds = len({r["seed"] for r in rows if r["scenario"] == rows[0]["scenario"]})
+    seeds = len(
+        {r["seed"] for r in rows if r["scenario"] == rows[0]["scenario"] and not r.get("crash_check")}
+    )
     settings = len({(r["lag"], r["perturbation"]) for r in rows})
-    return f"Admission quality by gate and scenario ({seeds} seed(s), {settings} settings)"
+    checked = {r["seed"] for r in rows if r["scenario"] == rows[0]["scenario"]}
+    more = f"; sidecar crashes over {len(checked)} seeds" if len(checked) > seeds else ""
+    return f"Admission quality by gate and scenario ({seeds} seed(s), {settings} settings{more})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -927,6 +1002,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--settings", nargs="*", help="subset of lag/perturbation, e.g. default/none laggy/none")
     ap.add_argument(
+        "--crash-seeds",
+        type=int,
+        metavar="N",
+        help="also run the sidecar alone on seeds up to N, every scenario and setting, and count their "
+        "crashes in the acceptance (goodput is not compared there: no oracle runs on them); default 20, "
+        "none with --quick",
+    )
+    ap.add_argument(
+        "--gates",
+        nargs="*",
+        choices=GATES,
+        help="subset of gates (the oracle always runs: it is every run's bound), e.g. --gates sidecar "
+        "--seeds 20 to test zero crashes on more seeds than the full run's three",
+    )
+    ap.add_argument(
         "--jobs",
         type=int,
         default=len(os.sched_getaffinity(0)),
@@ -943,6 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     args.seeds = args.seeds or (1 if args.quick else 3)
+    if args.crash_seeds is None:
+        args.crash_seeds = 0 if args.quick else 20
     known = set(shipped_names() + FAMILIES)
     for n in args.scenarios or []:
         if n not in known:
@@ -963,7 +1055,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = study(args, None)
     took = time.perf_counter() - started
     print(format_tables(rows, fid))
-    print(f"\n{len(rows)} runs in {took:.0f} s ({args.seeds} seed(s), jobs {args.jobs})")
+    check = (
+        f", the sidecar on {args.crash_seeds} for the zero-crash check"
+        if args.crash_seeds > args.seeds
+        else ""
+    )
+    print(f"\n{len(rows)} runs in {took:.0f} s ({args.seeds} seed(s){check}, jobs {args.jobs})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.json}")

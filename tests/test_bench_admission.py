@@ -148,3 +148,47 @@ def test_a_baseline_is_a_rival_only_when_it_is_crash_free_on_every_setting_as_th
     lines = bench.acceptance(summary)
     assert "SHORT: below zero-crash token-budget (by 1.96%)" in lines[0]
     assert "max-length" not in lines[0] and "none" not in lines[0]
+
+
+def test_a_subset_of_gates_runs_those_and_the_oracle_that_bounds_them() -> None:
+    """``--gates sidecar`` (more seeds for the zero-crash check) still runs the oracle: every row's
+    goodput is measured over the oracle's span and against its bound."""
+    import argparse
+
+    bench = _bench()
+    args = argparse.Namespace(
+        scenarios=["paired-250k-cold"], seeds=1, settings=["default/none"], quick=True, gates=["sidecar"]
+    )
+    rows = bench.study(args, None)
+    assert sorted(r["gate"] for r in rows) == ["oracle", "sidecar"]
+    assert all(r["goodput_vs_oracle"] is not None for r in rows)
+
+
+def test_the_zero_crash_check_runs_the_sidecar_on_further_seeds_and_only_its_crashes_count() -> None:
+    """``--crash-seeds``: the sidecar alone on the seeds past the tables'; its rows are marked, kept out
+    of the tables (no oracle ran on their seeds) and counted in the acceptance's crashes."""
+    import argparse
+
+    bench = _bench()
+    args = argparse.Namespace(
+        scenarios=["paired-250k-cold"],
+        seeds=1,
+        settings=["default/none"],
+        quick=True,
+        gates=["sidecar"],
+        crash_seeds=3,
+    )
+    rows = bench.study(args, None)
+    checks = [r for r in rows if r["crash_check"]]
+    assert [r["gate"] for r in checks] == ["sidecar", "sidecar"]
+    assert {r["seed"] for r in checks}.isdisjoint(r["seed"] for r in rows if not r["crash_check"])
+    assert all(r["goodput_vs_oracle"] is None and not r["best"] for r in checks)
+    summary = bench.summarise(rows)
+    assert len(summary["paired-250k-cold"]["sidecar"]["by"]["default/none"]) == 1
+    assert bench.checked_crashes(rows) == {"paired-250k-cold": {}}
+
+    checks[1]["crashes"] = 1
+    lines = bench.acceptance(summary, bench.checked_crashes(rows))
+    seed = checks[1]["seed"]
+    assert f"SHORT: 1 crash in the zero-crash check (default/none seed {seed})" in lines[0]
+    assert "zero-crash check" in bench.format_tables(rows, [("f", "a", "b")])
