@@ -192,3 +192,27 @@ def test_the_zero_crash_check_runs_the_sidecar_on_further_seeds_and_only_its_cra
     seed = checks[1]["seed"]
     assert f"SHORT: 1 crash in the zero-crash check (default/none seed {seed})" in lines[0]
     assert "zero-crash check" in bench.format_tables(rows, [("f", "a", "b")])
+
+
+def test_policy_set_changes_the_sidecars_policy_validated_and_names_a_wrong_field() -> None:
+    """``--policy-set``: a what-if run with a field of the sidecar's policy changed, parsed and checked as
+    a policy file's field is, and an error that names the field it could not set."""
+    import pytest
+
+    bench = _bench()
+    shipped = bench.policy_for("band-below-limit")
+    changed = bench.with_overrides(shipped, (("cost.margin", "1.05"), ("vram.reserve_bytes", "64MiB")))
+    assert changed.policy.cost.margin == 1.05 and changed.policy.vram.reserve_bytes == 64 * 2**20
+    assert changed.policy.monitor == shipped.policy.monitor
+    assert bench.with_overrides(shipped, ()) is shipped
+    for key, value, said in [
+        ("cost.margn", "1", "cost.margn: no field 'margn' in cost"),
+        ("cots.margin", "1", "cots.margin: no policy section 'cots'"),
+        ("cost.margin", "0.5", "cost.margin: Input should be greater than or equal to 1"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            bench.with_overrides(shipped, ((key, value),))
+        assert said in str(e.value)
+    task = bench.Task("band-below-limit", 0, "default", "none", "sidecar", None, (("cost.margin", "1.1"),))
+    row = bench.run_task(task)
+    assert row["setting"].endswith(" cost.margin=1.1") and row["completed"] == 0 and row["crashes"] == 0
