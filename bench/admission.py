@@ -18,8 +18,13 @@ with a finite margin crash sooner or later over enough draws, so zero crashes wo
 the seeds, not of the gate; with a bounded factor a margin that covers 1 + N % is crash-free on every
 seed, and one that does not is not.
 
+The tables hold ``--seeds`` (3) seeds of every gate; the zero-crash check (``--crash-seeds``, 20) then
+runs the sidecar alone on the further seeds of every scenario and setting, for its crashes only: a gate
+whose margin does not cover a perturbation crashes on an unlucky draw, which three seeds rarely hold.
+
     make bench-admission ARGS="--quick"
-    .venv/bin/python bench/admission.py [--quick] [--seeds N] [--jobs N] [--json PATH] [--png PATH]
+    .venv/bin/python bench/admission.py [--quick] [--seeds N] [--crash-seeds N] [--gates G ...]
+        [--policy-set KEY=VALUE ...] [--jobs N] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -1070,7 +1075,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gates",
         nargs="*",
         choices=GATES,
-        help="subset of gates (the oracle always runs: it is every run's bound), e.g. --gates sidecar "
+        metavar="GATE",
+        help=f"subset of gates ({', '.join(GATES)}; the oracle always runs: it is every run's bound), e.g. "
+        "--gates sidecar "
         "--seeds 20 to test zero crashes on more seeds than the full run's three",
     )
     ap.add_argument(
