@@ -375,7 +375,18 @@ class LaneWatch:
         self._ended_now = self._ended_before = 0
         window, ids = max(self._window, current, ended), tuple(self._window_ids)
         self._peak = max(self._peak, ended)
-        self._window = current
+        # What the next reading must still allow for from this one. Without progress, this projection:
+        # a prefill that ends before then leaves the ledger, while its peak stays in the allocator's
+        # cache. With progress, only the running batch's join (a batch that shrinks before then
+        # allocated its join with more requests): the prefills still in flight then are priced at
+        # their progress then, which bounds what they allocated in between (true progress only grows),
+        # and those that end in between are counted by ``left``. Carrying this reading's estimate for
+        # them instead would carry its over-estimate (up to a chunk ahead), and a next reading would
+        # not see an overrun smaller than that: too late for a prompt at the edge of its margin
+        # (README "The band under noise").
+        self._window = (
+            current if in_flight is None else (cost.join_bytes(totals.running_requests), self._charged_with)
+        )
         self._window_ids = dict.fromkeys(self._alive.values())
         # An engine that does not answer may be restarting: its new process's boot is no request's.
         if base is None or snap.engine_health.consecutive_failures:

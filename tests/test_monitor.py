@@ -14,9 +14,11 @@ import pytest
 
 from sidecar.admission import Admission, Outcome
 from sidecar.core.decision import Action
-from sidecar.core.rules import HeadroomSource
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.rules import HeadroomSource, Rules
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, Snapshot, SourceHealth
-from sidecar.monitor import excess, raised_margin
+from sidecar.intake import rules_of
+from sidecar.monitor import LaneWatch, excess, raised_margin
 from sidecar.policy import LoadedPolicy, Monitor
 from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot, submit
 
@@ -260,3 +262,64 @@ def test_a_raised_margin_keeps_the_held_token_count_of_those_still_held(clock: M
     # The admitted one keeps the demand it was charged with; only the held one is priced again.
     assert second.demand is not None and second.demand.projected_bytes == 1100 * MIB
     assert third.demand is not None and third.demand.projected_bytes == int(900 * MIB * a.rules.cost.margin)
+
+
+# -- with the prefills' progress known -------------------------------------------------------------
+
+
+def _watch_with_progress(**overrides: object) -> tuple[LaneWatch, Rules]:
+    """A watch on a lane with a policy idle figure (10 GiB) and one admitted request, whose prefill's
+    progress is known: readings are judged against ``in_flight``, what it allocates at that progress."""
+    p = small_policy(
+        vram__headroom="idle_budget",
+        vram__idle_free_bytes="10GiB",
+        monitor__tolerance=0.0,
+        monitor__min_bytes="1MiB",
+        monitor__raise_margin=False,
+        **overrides,
+    ).policy
+    rules = rules_of(p)
+    w = LaneWatch(p)
+    w.charged(1, "r1", LedgerTotals(requests=1, running_requests=1), rules.cost, progress=True)
+    return w, rules
+
+
+def test_with_progress_a_reading_is_judged_by_the_progress_now_not_by_an_earlier_over_estimate() -> None:
+    """Progress estimates err large and are corrected when the engine's counters catch up. The next
+    reading bounds everything allocated since the last one by the progress now (true progress only
+    grows); judged against the earlier over-estimate, an overrun smaller than it went unseen, and on a
+    lane whose margin leaves a prompt at the edge ~2 % of its peak that was a crash (README "The band
+    under noise")."""
+    w, rules = _watch_with_progress()
+    busy = LedgerTotals(requests=1, running_requests=1)
+    base = snapshot(0.0, running_requests=1)
+    w.observe(gpu(base, 0.1, 10 * GIB - 900 * MIB), busy, rules, 0.1, in_flight=1000 * MIB)
+    assert w.underestimates == 0
+    w.observe(gpu(base, 0.2, 10 * GIB - 970 * MIB), busy, rules, 0.2, in_flight=950 * MIB)
+    assert w.underestimates == 1
+    assert w.last is not None and w.last.projected_bytes == 950 * MIB and w.last.observed_bytes == 970 * MIB
+
+
+def test_with_progress_the_batch_join_of_the_previous_reading_still_counts() -> None:
+    """A running batch that shrank between two readings allocated its join with more requests; the
+    allocator's cache still shows that peak, so the next reading allows for the earlier join."""
+    w, rules = _watch_with_progress(cost__batch_join_bytes_per_running_request="100MiB")
+    base = snapshot(0.0, running_requests=2)
+    two, one = LedgerTotals(running_requests=2), LedgerTotals(running_requests=1)
+    assert rules.cost.join_bytes(2) == 200 * MIB and rules.cost.join_bytes(1) == 0
+    w.observe(gpu(base, 0.1, 10 * GIB - 150 * MIB), two, rules, 0.1, in_flight=10 * MIB)
+    w.observe(gpu(base, 0.2, 10 * GIB - 195 * MIB), one, rules, 0.2, in_flight=10 * MIB)
+    assert w.underestimates == 0
+    w.observe(gpu(base, 0.3, 10 * GIB - 196 * MIB), one, rules, 0.3, in_flight=10 * MIB)
+    assert w.underestimates == 1  # two readings on, the two-request join no longer vouches for it
+
+
+def test_without_progress_the_previous_projection_still_counts() -> None:
+    """Without progress a reading is judged against the ledger's final peaks, and a prefill that ended
+    between two readings left the ledger while its peak stays in the allocator's cache."""
+    w, rules = _watch_with_progress()
+    base = snapshot(0.0, running_requests=1)
+    busy, done = LedgerTotals(requests=1, projected_bytes=1000 * MIB), LedgerTotals()
+    w.observe(gpu(base, 0.1, 10 * GIB - 500 * MIB), busy, rules, 0.1)
+    w.observe(gpu(base, 0.2, 10 * GIB - 990 * MIB), done, rules, 0.2)
+    assert w.underestimates == 0 and w.unprojected == 0
