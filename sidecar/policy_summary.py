@@ -224,13 +224,25 @@ def _idle_free(policy: Policy, rules: Rules) -> str:
 
 def _monitor(policy: Policy) -> str:
     m = policy.monitor
+    seen = f"(over the projection by more than {m.tolerance:.1%} and {format_size(m.min_bytes)})"
     if not m.raise_margin:
-        return "under-predictions are counted and logged; cost.margin stays as written"
-    cap = max(m.max_margin, policy.cost.margin)
-    return (
-        f"under-predictions are counted and logged, and raise cost.margin ({policy.cost.margin:g}) to "
-        f"cover them + {m.step:g}, up to {cap:g}, until the next policy load"
-    )
+        said = f"under-predictions {seen} are counted and logged; cost.margin stays as written"
+    else:
+        cap = max(m.max_margin, policy.cost.margin)
+        said = (
+            f"under-predictions {seen} are counted and logged, and raise cost.margin "
+            f"({policy.cost.margin:g}) to cover them + {m.step:g}, up to {cap:g}, until the next policy load"
+        )
+    slack = policy.cost.margin - 1.0
+    if m.tolerance >= slack:
+        # An overrun between the margin's slack and the tolerance is neither covered nor counted: it
+        # kills a prompt admitted at the edge of the policy before the margin can rise (README "The band
+        # under noise").
+        said += (
+            f"; note: the margin leaves {slack:.1%} of a peak, not more than that tolerance: an overrun "
+            "in between is neither covered nor counted (monitor.tolerance below cost.margin - 1 closes it)"
+        )
+    return said
 
 
 def _blind(sp: SignalPolicy, policy: Policy) -> str:
