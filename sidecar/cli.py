@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import enum
 import logging
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -202,7 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wait": _wait,
         "calibrate": _calibrate,
     }[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except BrokenPipeError:
+        # `check-policy ... | head`: the reader left; nothing more to say, and no traceback. Standard
+        # output goes to /dev/null so that the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
 
 
 def _fail(msg: str) -> int:

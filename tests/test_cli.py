@@ -43,6 +43,21 @@ def test_check_policy_accepts_every_shipped_policy() -> None:
         assert "OK" in r.stdout
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`check-policy ... | head -1`: the pipe closes before the summary is written; the command ends
+    quietly with a shell's SIGPIPE status instead of printing a BrokenPipeError traceback."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "check-policy", str(POLICIES / "maxq-qwen3next-old.yaml")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # before the first write: every write fails
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err, err
+
+
 def test_check_policy_locates_errors(tmp_path: Path) -> None:
     text = (POLICIES / "maxq-qwen3next-old.yaml").read_text()
     bad = tmp_path / "bad.yaml"
