@@ -556,7 +556,8 @@ def zero_crash_check(
 
     Why: "zero crashes on every seed" over three seeds says little about a gate whose margin does not
     cover a perturbation, where a crash needs an unlucky draw on one request at the edge of its policy
-    (the band family under noise crashes 1 and 5 times in 20 seeds, none in the first three). These
+    (the band family under noise crashed 1 and 5 times in 20 seeds, none in the first three, until the
+    monitor judged readings by the prefills' progress now: evidence D17). These
     rows count crashes only: no oracle ran on their seeds, so their goodput is over their own span and
     is compared with nothing, and the tables leave them out (``crash_check``)."""
     extra = range(args.seeds, getattr(args, "crash_seeds", 0) or 0)
