@@ -383,7 +383,7 @@ class LaneWatch:
         # and those that end in between are counted by ``left``. Carrying this reading's estimate for
         # them instead would carry its over-estimate (up to a chunk ahead), and a next reading would
         # not see an overrun smaller than that: too late for a prompt at the edge of its margin
-        # (README "The band under noise").
+        # (evidence D17).
         self._window = (
             current if in_flight is None else (cost.join_bytes(totals.running_requests), self._charged_with)
         )

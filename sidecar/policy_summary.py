@@ -234,10 +234,10 @@ def _monitor(policy: Policy) -> str:
             f"({policy.cost.margin:g}) to cover them + {m.step:g}, up to {cap:g}, until the next policy load"
         )
     slack = policy.cost.margin - 1.0
-    if m.tolerance >= slack:
+    if m.tolerance > 0 and m.tolerance >= slack:
         # An overrun between the margin's slack and the tolerance is neither covered nor counted: it
-        # kills a prompt admitted at the edge of the policy before the margin can rise (README "The band
-        # under noise").
+        # kills a prompt admitted at the edge of the policy before the margin can rise (evidence D17).
+        # A tolerance of 0 counts every overrun past min_bytes: nothing finer to ask for.
         said += (
             f"; note: the margin leaves {slack:.1%} of a peak, not more than that tolerance: an overrun "
             "in between is neither covered nor counted (monitor.tolerance below cost.margin - 1 closes it)"

@@ -169,6 +169,11 @@ def test_check_policy_and_a_shipped_policy_with_auto(tmp_path: Path, capsys: pyt
     path.write_text(coarse)
     assert main(["check-policy", str(path)]) == 0
     assert "note: the margin leaves 1.1% of a peak, not more than that tolerance" in capsys.readouterr().out
+    # Margin 1.0 with tolerance 0: every overrun past min_bytes is counted, nothing finer to ask for.
+    path.write_text(text.replace("tolerance: 0.005", "tolerance: 0").replace("margin: 1.011", "margin: 1.0"))
+    assert main(["check-policy", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "more than 0.0% and 8 MiB" in out and "note:" not in out
     path.write_text(text.replace("idle_free_bytes: 1372MiB", "idle_free_bytes: automatic"))
     assert main(["check-policy", str(path)]) != 0
     err = capsys.readouterr()
