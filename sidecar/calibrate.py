@@ -534,6 +534,9 @@ class Fit:
     # The absolute error budget the margin (relative) does not cover: twice the largest amount by
     # which an observation exceeded the fit, at least MIN_RESERVE (allocator rounding, 2 MiB blocks).
     reserve_bytes: int = 0
+    # What the observations reached against the fit (``margin`` is this times 1 + safety): written as
+    # ``cost.calibrated_ratio``, so the monitor counts a lane that allocates beyond it.
+    covered_ratio: float = 1.0
 
 
 MIN_RESERVE = 16 * MiB
@@ -696,13 +699,14 @@ def fit(run: ProbeRun, *, safety: float = 0.05, min_usable: int = MIN_USABLE) ->
     ratios = np.array([r.ratio for r in visible])
     envelope = float(ratios.max()) if len(ratios) else 1.0
     sigma = float(np.sqrt(np.mean((ratios - 1.0) ** 2))) if len(ratios) else 0.0
-    margin = max(1.0, envelope, 1.0 + 3.0 * sigma) * (1.0 + safety)
+    covered = max(1.0, envelope, 1.0 + 3.0 * sigma)
+    margin = covered * (1.0 + safety)
     largest = max(o.probe.prompt_tokens for o in usable)
     if run.skipped:
         notes.append(f"{len(run.skipped)} probe(s) skipped (headroom or budget): see the plan")
     worst = max((r.observed - r.predicted for r in visible), default=0.0)
     reserve = max(MIN_RESERVE, math.ceil(2 * max(0.0, worst) / MiB) * MiB)
-    return Fit(coef, margin, envelope, sigma, residuals, largest, len(usable), tuple(notes), reserve)
+    return Fit(coef, margin, envelope, sigma, residuals, largest, len(usable), tuple(notes), reserve, covered)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -721,6 +725,7 @@ def proposed_cost(fit_: Fit) -> dict[str, object]:
     out["batch_join_bytes"] = math.ceil(c.batch_join_bytes or 0.0)
     out["batch_join_bytes_per_running_request"] = math.ceil(c.batch_join_bytes_per_running_request)
     out["margin"] = round(math.ceil(fit_.margin * 1000) / 1000, 3)
+    out["calibrated_ratio"] = round(math.ceil(fit_.covered_ratio * 1000) / 1000, 3)
     out["calibrated_up_to_prompt_tokens"] = fit_.largest_prompt_tokens
     return out
 
@@ -787,6 +792,8 @@ def report(fit_: Fit | str, run: ProbeRun, policy: Policy) -> str:
         old, new = getattr(start, name), getattr(fit_.coefficients, name)
         lines.append(f"{label:28} {_num(old, unit):>14} {_num(new, unit):>14}")
     lines.append(f"{'margin':28} {policy.cost.margin:>14.3f} {fit_.margin:>14.3f}")
+    was = "-" if policy.cost.calibrated_ratio is None else f"{policy.cost.calibrated_ratio:.3f}"
+    lines.append(f"{'calibrated ratio':28} {was:>14} {fit_.covered_ratio:>14.3f}")
     lines.append(f"{'probe':18} {'kind':7} {'observed MiB':>13} {'fit MiB':>10} {'ratio':>7}")
     for r in fit_.residuals:
         flag = "  censored (peak <= observed)" if r.censored else ""

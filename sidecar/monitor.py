@@ -19,7 +19,12 @@ this same code) and both shown in ``/admission/state``:
   was measured; a drop that is not a new low (an engine that returns memory) with the window's
   largest. Larger by more than the policy's tolerance: counted, logged with the request ids and the
   numbers, and, with ``monitor.raise_margin``, the cost margin in force rises to cover it, bounded by
-  ``monitor.max_margin``, until the next policy load (a reload is a new calibration).
+  ``monitor.max_margin``, until the next policy load (a reload is a new calibration). With
+  ``cost.calibrated_ratio`` the projection a reading is compared with is the fit times that ratio (what
+  the calibration saw), not the margin-priced one: the margin's safety above it is what keeps a prompt
+  at the edge alive when the lane draws higher than it did when calibrated, so a reading that eats
+  into it counts then, not once it is spent (evidence D18); what a finding showed is covered from then
+  on (a later reading counts beyond it).
 
 Nothing here does I/O or reads a clock: ``now`` is passed in. The decision never reads this object;
 it reads the :class:`~sidecar.core.Rules` that :meth:`LaneWatch.effective` builds, in which the margin
@@ -69,11 +74,15 @@ class Finding:
     request_ids: tuple[str, ...]
     margin_before: float
     margin_after: float
+    # With ``cost.calibrated_ratio``: the multiple of the cost terms ``projected_bytes`` is (what the
+    # calibration and earlier findings covered); None: the projection as the ledger charged it.
+    covered: float | None = None
 
     def fields(self) -> dict[str, Any]:
         return {
             "observed_bytes": self.observed_bytes,
             "projected_bytes": self.projected_bytes,
+            "covered": None if self.covered is None else round(self.covered, 4),
             "ratio": round(self.ratio, 4),
             "free_bytes": self.free_bytes,
             "idle_free_bytes": self.idle_free_bytes,
@@ -116,6 +125,9 @@ class LaneWatch:
         self.margin = policy.cost.margin
         # The finding that set the margin in force (None: the policy's own).
         self.margin_finding: Finding | None = None
+        # What a reading is compared with, as a multiple of the cost terms (None: the projection as
+        # charged, margin included): the calibrated ratio, then the largest a finding showed.
+        self.covered = policy.cost.calibrated_ratio
         self.idle: IdleFree | None = None
         self.engine_restarts = 0
         self.underestimates = 0
@@ -135,6 +147,10 @@ class LaneWatch:
         # The margin of the latest charge: the ledger's bytes were projected with it or a lower one
         # (a raised margin applies to requests admitted after it, not to the bytes already booked).
         self._charged_with = self.margin
+        # The smallest margin anything was priced with: the ledger's bytes over it bound their cost
+        # terms from above, whatever margin each was charged. Only a policy load lowers the margin in
+        # force (``raised_margin`` never does), so ``reload`` is the one place it moves.
+        self._floor = self.margin
         self._alive: dict[int, str] = {}
         self._window_ids: dict[str, None] = {}
         # The final peaks of the counted prefills that ended since the previous reading (``left``): of
@@ -158,6 +174,8 @@ class LaneWatch:
         self._policy = policy
         self.margin = policy.cost.margin
         self.margin_finding = None
+        self.covered = policy.cost.calibrated_ratio
+        self._floor = min(self._floor, self.margin)
 
     def engine_restarted(self, now: float, why: str = "restarted") -> None:
         """A new engine process: its idle figure is measured again, its allocator starts empty."""
@@ -303,6 +321,8 @@ class LaneWatch:
                 "last": None
                 if self.last is None
                 else self.last.fields() | {"age_s": round(now - self.last.at, 3)},
+                # Readings are compared with the cost terms times this (None: with the projection).
+                "covered_ratio": None if self.covered is None else round(self.covered, 4),
                 "raise_margin": m.raise_margin,
                 "max_margin": max(m.max_margin, self._policy.cost.margin),
                 "margin": {
@@ -405,6 +425,12 @@ class LaneWatch:
             grown = max(0, g.other_process_bytes - idle_other)
         observed = idle_free - free - grown
         projected, projected_with = reference
+        cover = self.covered
+        if cover is not None and projected > 0:
+            # The cost terms (at most the bytes over the smallest margin they were priced with) times
+            # what the calibration and the findings since saw: the margin's safety above that is not
+            # for the lane to use unseen (the module docstring).
+            projected, projected_with = round(projected * cover / self._floor), cover
         ratio = excess(observed, projected, self._policy.monitor)
         if ratio is None:
             return False
@@ -423,6 +449,9 @@ class LaneWatch:
         self.margin = raised_margin(
             before, projected_with, self._policy.cost.margin, ratio, self._policy.monitor
         )
+        if cover is not None:
+            # What the lane has shown is known from now on: a later reading counts beyond it.
+            self.covered = max(cover, projected_with * ratio)
         finding = Finding(
             now,
             observed,
@@ -433,6 +462,7 @@ class LaneWatch:
             ids[:MAX_IDS],
             before,
             self.margin,
+            cover,
         )
         # The same requests still running (a long prefill whose chunks grow): the same finding, worse.
         again = bool(ids) and self.last is not None and self.last.request_ids == finding.request_ids
@@ -457,6 +487,8 @@ def _why(f: Finding) -> str:
         f"GPU memory showed {f.observed_bytes / mib:,.0f} MiB allocated beyond idle, the ledger projected "
         f"{f.projected_bytes / mib:,.0f} MiB"
     )
+    if f.covered is not None:
+        seen += f" (its cost terms x{f.covered:.3f}: what the lane was seen to allocate, without the margin's safety)"
     ratio = f"x{f.ratio:.3f}"
     who = ", ".join(f.request_ids) or "no request running"
     margin = (

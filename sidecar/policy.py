@@ -183,6 +183,13 @@ class Cost(_Strict):
     # tokens before it schedules its next step needs one decode step here.
     join_settle_s: float = Field(default=0.0, ge=0, le=5)
     margin: float = Field(default=1.0, ge=1.0)
+    # What the calibration's observations reached against the fit: max(1, the worst observed/predicted
+    # ratio, 1 + 3 standard deviations of the ratios); ``margin`` is this times (1 + safety). Set, the
+    # monitor counts a GPU reading above the fit times this ratio (not only one above the projection,
+    # margin included), so a lane that allocates more than it did when calibrated is seen while the
+    # safety still covers it, before a prompt admitted at the edge of the margin draws past it
+    # (evidence D18). None: a reading counts only above the projection.
+    calibrated_ratio: float | None = Field(default=None, ge=1.0)
     # The longest probe of the calibration these coefficients come from: beyond it they are an
     # extrapolation (shown by check-policy and /admission/state). None: not calibrated.
     calibrated_up_to_prompt_tokens: int | None = Field(default=None, gt=0)
@@ -256,7 +263,9 @@ class Monitor(_Strict):
     running is counted and logged. With ``raise_margin`` the cost margin in force rises to cover it
     (observed / projected x margin, plus ``step``), never above ``max_margin``; a policy reload starts
     again from the policy's own margin. An allocation within ``tolerance`` (relative) of the projection
-    or smaller than ``min_bytes`` over it is allocator rounding, not a finding.
+    or smaller than ``min_bytes`` over it is allocator rounding, not a finding. With
+    ``cost.calibrated_ratio`` the projection it is compared with is the fit times that ratio, without
+    the margin's safety on top (``Cost`` says why).
     """
 
     raise_margin: bool = True
@@ -505,12 +514,22 @@ class Policy(_Strict):
     guard: Guard = Guard()
 
     def located_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
-        """Policies that validate field by field but could never admit anything, each at its field.
+        """Policies that validate field by field but contradict themselves, each at its field.
 
-        Every one of these makes every request ``unfit_request``: the lane would answer nothing but 503s
-        from the moment the policy is loaded, which is worse than refusing the policy.
+        Most make every request ``unfit_request``: the lane would answer nothing but 503s from the
+        moment the policy is loaded, which is worse than refusing the policy. A calibrated ratio above
+        the margin says the margin does not cover what its own calibration saw.
         """
         problems: list[tuple[tuple[str | int, ...], str]] = []
+        c = self.cost
+        if c.calibrated_ratio is not None and c.calibrated_ratio > c.margin:
+            problems.append(
+                (
+                    ("cost", "calibrated_ratio"),
+                    f"{c.calibrated_ratio:g} is above cost.margin ({c.margin:g}): the margin would not cover "
+                    "what the calibration saw (calibrate writes margin = calibrated_ratio x (1 + safety))",
+                )
+            )
         v = self.vram
         if v.idle_free_figure is not None and v.reserve_bytes >= v.idle_free_figure:
             problems.append(

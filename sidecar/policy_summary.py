@@ -223,8 +223,12 @@ def _idle_free(policy: Policy, rules: Rules) -> str:
 
 
 def _monitor(policy: Policy) -> str:
-    m = policy.monitor
-    seen = f"(over the projection by more than {m.tolerance:.1%} and {format_size(m.min_bytes)})"
+    m, cost = policy.monitor, policy.cost
+    limits = f"by more than {m.tolerance:.1%} and {format_size(m.min_bytes)}"
+    if cost.calibrated_ratio is None:
+        seen = f"(over the projection {limits})"
+    else:
+        seen = f"(over the cost terms x{cost.calibrated_ratio:g} {limits}: cost.calibrated_ratio, not the margin)"
     if not m.raise_margin:
         said = f"under-predictions {seen} are counted and logged; cost.margin stays as written"
     else:
@@ -233,14 +237,22 @@ def _monitor(policy: Policy) -> str:
             f"under-predictions {seen} are counted and logged, and raise cost.margin "
             f"({policy.cost.margin:g}) to cover them + {m.step:g}, up to {cap:g}, until the next policy load"
         )
-    slack = policy.cost.margin - 1.0
+    # What the margin leaves above what a reading is compared with.
+    ratio = cost.calibrated_ratio or 1.0
+    slack = cost.margin / ratio - 1.0
     if m.tolerance > 0 and m.tolerance >= slack:
         # An overrun between the margin's slack and the tolerance is neither covered nor counted: it
         # kills a prompt admitted at the edge of the policy before the margin can rise (evidence D17).
         # A tolerance of 0 counts every overrun past min_bytes: nothing finer to ask for.
         said += (
             f"; note: the margin leaves {slack:.1%} of a peak, not more than that tolerance: an overrun "
-            "in between is neither covered nor counted (monitor.tolerance below cost.margin - 1 closes it)"
+            "in between is neither covered nor counted (monitor.tolerance below "
+            + (
+                "cost.margin - 1"
+                if cost.calibrated_ratio is None
+                else "cost.margin / cost.calibrated_ratio - 1"
+            )
+            + " closes it)"
         )
     return said
 

@@ -178,6 +178,62 @@ def test_an_allocation_beyond_the_projection_is_counted_named_and_raises_the_mar
     assert a.rules.cost.margin == 1.1 and a.watch.underestimates == 1
 
 
+def test_with_a_calibrated_ratio_a_reading_is_judged_against_the_cost_terms_not_the_margin(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Evidence D18: compared with the margin-priced projection, a lane that draws above its fit is
+    not seen while the margin's safety covers it, and a prompt at the edge of the margin then draws
+    past it. With ``cost.calibrated_ratio`` the same reading is a finding."""
+    # 1,000 MiB of cost terms for r1, charged 1,100 MiB (margin 1.1); the lane allocates 1,080 MiB.
+    plain = monitored(clock)
+    submit(plain, ask(plain, 1000, request_id="r1"))
+    clock.advance(0.1)
+    plain.update_snapshot(gpu(plain.snapshot, clock.t, 10 * GIB - 1080 * MIB))
+    assert plain.watch.underestimates == 0 and plain.rules.cost.margin == 1.1
+
+    a = monitored(clock, cost__calibrated_ratio=1.0)
+    submit(a, ask(a, 1000, request_id="r1"))
+    clock.advance(0.1)
+    with caplog.at_level("WARNING", logger="sidecar.monitor"):
+        a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1080 * MIB))
+    assert a.watch.underestimates == 1
+    f = a.watch.last
+    assert f is not None and (f.observed_bytes, f.projected_bytes) == (1080 * MIB, 1000 * MIB)
+    assert f.ratio == pytest.approx(1.08) and f.covered == 1.0
+    # The margin covers what was seen plus the step: 1.08 + 0.05.
+    assert a.rules.cost.margin == pytest.approx(1.13)
+    (record,) = [r for r in caplog.records if r.name == "sidecar.monitor"]
+    assert "its cost terms x1.000" in record.getMessage() and record.fields["covered"] == 1.0  # type: ignore[attr-defined]
+    # What a finding showed is known from then on: a new low within it and the tolerance is none ...
+    assert a.watch.covered == pytest.approx(1.08)
+    submit(a, ask(a, 10, request_id="r2"))  # charged at the raised margin, 1.13
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1090 * MIB))
+    assert a.watch.underestimates == 1 and a.watch.last is f
+    # ... a reading beyond it is one. The ledger's bytes over the smallest margin they were charged
+    # with (1.1) bound their cost terms from above: r2's 11.3 MiB count as 10.3, never less than 10.
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1160 * MIB))
+    assert a.watch.underestimates == 2 and a.watch.last.covered == pytest.approx(1.08)  # type: ignore[union-attr]
+    terms = 1000 + 10 * 1.13 / 1.1
+    assert a.watch.last.projected_bytes == pytest.approx(terms * 1.08 * MIB, rel=1e-4)  # type: ignore[union-attr]
+    assert a.watch.state(clock.t)["monitor"]["covered_ratio"] == pytest.approx(1160 / terms, abs=1e-4)
+    # A policy load is a new calibration: its ratio again. Loaded with a lower margin, the bytes
+    # charged before it count over that one (the smallest any was priced with).
+    lower = small_policy(
+        cost__activation_bytes_per_chunk_token="1MiB",
+        cost__margin=1.05,
+        cost__calibrated_ratio=1.0,
+        vram__headroom="idle_budget",
+        vram__idle_free_bytes="auto",
+    )
+    a.reload(lower)
+    assert a.watch.covered == 1.0 and a.rules.cost.margin == 1.05
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1300 * MIB))
+    assert a.watch.last.projected_bytes == pytest.approx((1100 + 11.3) / 1.05 * MIB, rel=1e-4)  # type: ignore[union-attr]
+
+
 def test_a_caching_allocator_is_judged_on_new_lows_against_the_largest_projection(clock: ManualClock) -> None:
     a = monitored(clock, monitor__raise_margin=False)
     big = submit(a, ask(a, 1000, request_id="big"))

@@ -50,7 +50,9 @@ def test_the_monitor_reports_within_one_request_and_its_margin_stops_the_crash()
         (a for a in d.attempts.values() if a.admitted_at is not None), key=lambda a: a.admitted_at or 0
     )
     assert rid == first_admitted.rid and f.at <= d.records[rid].end  # type: ignore[operator]
-    assert f.ratio is not None and f.ratio > 1.1 and f.margin_after > 1.2
+    # The policy's calibrated ratio (1.0) makes each reading count against the cost terms times what
+    # was seen so far: the findings climb to what the lane allocates, x1.2 its cost terms.
+    assert f.covered is not None and 1.15 < f.covered * f.ratio <= 1.2 and f.margin_after > 1.2
     assert not d.crashes
     summary = d.summary()
     assert summary["monitor"]["monitor"]["margin"]["effective"] == pytest.approx(f.margin_after, abs=1e-4)
@@ -161,10 +163,15 @@ def test_check_policy_and_a_shipped_policy_with_auto(tmp_path: Path, capsys: pyt
     assert "idle free memory: auto: measured by the sidecar" in out
     assert "nvml_free until idle free memory is measured, then idle_budget" in out
     said = (
-        "monitor: under-predictions (over the projection by more than 0.5% and 8 MiB) are counted and "
-        "logged, and raise cost.margin (1.011) to cover them + 0.05"
+        "monitor: under-predictions (over the cost terms x1 by more than 0.5% and 8 MiB: "
+        "cost.calibrated_ratio, not the margin) are counted and logged, and raise cost.margin (1.011) to "
+        "cover them + 0.05"
     )
     assert said in out and "note:" not in out
+    # Without a calibrated ratio a reading is compared with the projection, margin included.
+    path.write_text(text.replace("calibrated_ratio: 1.0", ""))
+    assert main(["check-policy", str(path)]) == 0
+    assert "(over the projection by more than 0.5% and 8 MiB)" in capsys.readouterr().out
     coarse = text.replace("tolerance: 0.005", "tolerance: 0.02")
     path.write_text(coarse)
     assert main(["check-policy", str(path)]) == 0

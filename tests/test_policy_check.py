@@ -46,6 +46,16 @@ def test_kv_reserve_over_the_pool_and_mamba_reserve_over_the_slots_are_refused()
     )
 
 
+def test_a_calibrated_ratio_above_the_margin_is_refused_at_its_line() -> None:
+    text = OLD.read_text().replace("calibrated_ratio: 1.0", "calibrated_ratio: 1.02")
+    [problem] = problems_of(text)
+    at = line_of(text, "calibrated_ratio: 1.02")
+    assert problem.startswith(f"lane.yaml:{at}: cost.calibrated_ratio: 1.02 is above cost.margin (1.011)")
+    # Equal to the margin (no safety) is a policy, as is none at all.
+    load_policy_text(OLD.read_text().replace("calibrated_ratio: 1.0", "calibrated_ratio: 1.011"))
+    load_policy_text(OLD.read_text().replace("calibrated_ratio: 1.0", ""))
+
+
 def test_duplicate_keys_are_refused_with_both_lines() -> None:
     text = OLD.read_text().replace("  max_requests: 2\n", "  max_requests: 2\n  max_requests: 20\n")
     [problem] = problems_of(text)
