@@ -1087,8 +1087,15 @@ def main(argv: list[str] | None = None) -> int:
         default=len(os.sched_getaffinity(0)),
         help="worker processes (default: the cores this process may use); the rows do not depend on it",
     )
-    ap.add_argument("--json", type=Path, default=RESULTS / "admission.json")
-    ap.add_argument("--png", type=Path, default=RESULTS / "admission.png")
+    ap.add_argument(
+        "--json", type=Path, default=RESULTS / "admission.json", help="the rows (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--png",
+        type=Path,
+        help="the plot (default: beside --json, with .png: a what-if run written elsewhere does not "
+        "overwrite the committed plot)",
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument(
         "--from-json",
@@ -1097,6 +1104,8 @@ def main(argv: list[str] | None = None) -> int:
         help="print the tables and draw the plot from a saved run's rows instead of running",
     )
     args = ap.parse_args(argv)
+    if args.png is None:
+        args.png = (args.from_json or args.json).with_suffix(".png")
     args.seeds = args.seeds or (1 if args.quick else 3)
     if args.crash_seeds is None:
         args.crash_seeds = 0 if args.quick else 20

@@ -51,7 +51,7 @@ def _bench() -> ModuleType:
 
 
 def test_a_tiny_run_writes_rows_of_every_gate_and_the_oracle_bounds_them(tmp_path: Path) -> None:
-    out, png = tmp_path / "a.json", tmp_path / "a.png"
+    out, png = tmp_path / "a.json", tmp_path / "a.png"  # the plot goes beside the rows by default
     r = subprocess.run(
         [
             sys.executable,
@@ -66,8 +66,6 @@ def test_a_tiny_run_writes_rows_of_every_gate_and_the_oracle_bounds_them(tmp_pat
             "1",
             "--json",
             str(out),
-            "--png",
-            str(png),
         ],
         capture_output=True,
         text=True,

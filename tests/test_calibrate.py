@@ -195,7 +195,10 @@ def test_proposal_is_a_valid_policy_that_states_its_limits() -> None:
     # compares readings with the cost terms times it (sidecar/monitor.py).
     covered = max(1.0, result.envelope_ratio, 1.0 + 3.0 * result.noise_sigma)
     assert result.covered_ratio == pytest.approx(covered) and result.margin == pytest.approx(covered * 1.05)
-    assert p.cost.calibrated_ratio == pytest.approx(covered, abs=1e-3) and p.cost.calibrated_ratio <= p.cost.margin
+    assert (
+        p.cost.calibrated_ratio == pytest.approx(covered, abs=1e-3)
+        and p.cost.calibrated_ratio <= p.cost.margin
+    )
     assert p.cost.batch_join_bytes == pytest.approx(1248 * MiB, rel=0.01)
     assert p.cost.gather_cap_bytes == pytest.approx(32 * MiB, rel=0.01)
     assert p.vram.idle_free_bytes == profile.idle_free_bytes
