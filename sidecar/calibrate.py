@@ -710,6 +710,11 @@ def fit(run: ProbeRun, *, safety: float = 0.05, min_usable: int = MIN_USABLE) ->
 
 
 # ---------------------------------------------------------------------------------------------- output
+def _ceil3(x: float) -> float:
+    """Rounded up to three decimals: a ratio written into a policy never understates the fit's."""
+    return round(math.ceil(x * 1000) / 1000, 3)
+
+
 def proposed_cost(fit_: Fit) -> dict[str, object]:
     """The ``cost:`` section of the proposal: every coefficient rounded up (an upper envelope)."""
     c = fit_.coefficients
@@ -724,8 +729,8 @@ def proposed_cost(fit_: Fit) -> dict[str, object]:
         out["gather_cap_bytes"] = math.ceil(c.gather_cap_bytes)
     out["batch_join_bytes"] = math.ceil(c.batch_join_bytes or 0.0)
     out["batch_join_bytes_per_running_request"] = math.ceil(c.batch_join_bytes_per_running_request)
-    out["margin"] = round(math.ceil(fit_.margin * 1000) / 1000, 3)
-    out["calibrated_ratio"] = round(math.ceil(fit_.covered_ratio * 1000) / 1000, 3)
+    out["margin"] = _ceil3(fit_.margin)
+    out["calibrated_ratio"] = _ceil3(fit_.covered_ratio)  # <= margin: both rounded up, covered <= margin
     out["calibrated_up_to_prompt_tokens"] = fit_.largest_prompt_tokens
     return out
 

@@ -208,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # `check-policy ... | head`: the reader left; nothing more to say, and no traceback. Standard
         # output goes to /dev/null so that the interpreter's own flush at exit does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
 
 
