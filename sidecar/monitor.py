@@ -41,6 +41,7 @@ from typing import Any
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import CostModel, Rules
 from sidecar.core.snapshot import GpuSignals, Snapshot
+from sidecar.intake import rules_of
 from sidecar.policy import Monitor, Policy
 
 log = logging.getLogger("sidecar.monitor")
@@ -157,7 +158,8 @@ class LaneWatch:
         # those that ended while others were in flight, and the largest such sum that ended with none.
         self._ended_now = 0
         self._ended_before = 0
-        self._cost: CostModel = CostModel(0, 0, 0, 0, None, self.margin)
+        # What the latest charge was priced with (the policy's model until the first charge).
+        self._cost: CostModel = rules_of(policy).cost
 
     @property
     def priced(self) -> CostModel:
@@ -194,7 +196,7 @@ class LaneWatch:
             )
 
     def charged(
-        self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel, progress: bool = False
+        self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel, progress: bool
     ) -> None:
         """A request was admitted (until it ``ended``, no reading is an idle one).
 
@@ -202,7 +204,7 @@ class LaneWatch:
         are compared with what they allocate at the point reached (``observe(in_flight=...)``), and
         the request's final peak is not yet expected: only the batch join it may cause is."""
         self._alive[key] = request_id
-        self._window_ids[request_id] = None
+        self._window_ids.setdefault(request_id)  # an ordered set
         self._traffic = True
         self._charged_with = cost.margin
         self._cost = cost
@@ -289,8 +291,7 @@ class LaneWatch:
                 idle_free_bytes=self.idle.free_bytes,
                 other_processes_bytes=self.idle.other_process_bytes if other is None else other,
             )
-        cost = base.cost if self.margin == base.cost.margin else replace(base.cost, margin=self.margin)
-        return replace(base, vram=vram, cost=cost)
+        return replace(base, vram=vram, cost=replace(base.cost, margin=self.margin))
 
     def state(self, now: float) -> dict[str, Any]:
         """For /admission/state: ages in seconds (the admin endpoint adds wall-clock times)."""
@@ -356,7 +357,10 @@ class LaneWatch:
             return False
         first = self.idle is None
         self.idle = IdleFree(g.free_bytes, g.other_process_bytes, now, self._traffic)
-        self._low_water = g.free_bytes if self._low_water is None else max(self._low_water, g.free_bytes)
+        # The allocator holds nothing beyond idle now: new lows count from the idle figure again
+        # (``_check``). An earlier, higher low-water mark would change no comparison: a reading above
+        # the idle figure shows nothing allocated beyond it.
+        self._low_water = None
         if first:
             log.info(
                 "idle GPU free memory measured: %.0f MiB%s",
@@ -426,7 +430,7 @@ class LaneWatch:
         observed = idle_free - free - grown
         projected, projected_with = reference
         cover = self.covered
-        if cover is not None and projected > 0:
+        if cover is not None and projected:
             # The cost terms (at most the bytes over the smallest margin they were priced with) times
             # what the calibration and the findings since saw: the margin's safety above that is not
             # for the lane to use unseen (the module docstring).
@@ -468,7 +472,7 @@ class LaneWatch:
         again = bool(ids) and self.last is not None and self.last.request_ids == finding.request_ids
         self.underestimates += not again
         self.last = finding
-        self.worst_ratio = max(self.worst_ratio or 0.0, ratio)
+        self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
         raised = self.margin != before
         if raised:
             self.margin_finding = finding
