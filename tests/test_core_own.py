@@ -1,8 +1,9 @@
 """A request that starts its own prefill batch, priced by its own chunk schedule (``core/decide``).
 
-On the old Max-Q lane (budget 1,372 MiB, reserve 16 MiB, margin 1.011) a cold 273,347-token prompt
-projects 1,357.6 MiB with a full last chunk at the whole context, over the 1,356 MiB the lane can ever
-run: unfit. Its own last chunk is 3,011 tokens; its own schedule peaks at 1,343.7 MiB (the full chunk
+On the old Max-Q lane priced as it was before evidence D19 (budget 1,372 MiB, reserve 16 MiB, margin
+1.011; the shipped policy now keeps 2 MiB at margin 1.0, which admits this prompt either way), a cold
+273,347-token prompt projects 1,357.6 MiB with a full last chunk at the whole context, over the 1,356
+MiB the lane can ever run: unfit. Its own last chunk is 3,011 tokens; its own schedule peaks at 1,343.7 MiB (the full chunk
 before it). Alone, nothing can shift its chunks, and the gate admits it at that price.
 """
 
@@ -20,11 +21,13 @@ from sidecar.core.ledger import LedgerTotals
 from sidecar.core.overrun import Prefill, overruns, peak
 from sidecar.core.snapshot import DeviceMemory, GpuSignals
 from sidecar.intake import rules_of
-from tests.conftest import ask, maxq, small_policy, snapshot, submit, with_engine
+from tests.conftest import MIB, ask, maxq, small_policy, snapshot, submit, with_engine
 
 NOW = 1000.0
 BAND = 273_347  # 96.1 % of the 284,359 tokens the lane serves alone (bench band family, seed 0)
-RULES = rules_of(maxq().policy)
+# The arithmetic below rests on these two figures, not on whatever the shipped policy holds.
+LANE = maxq().with_section("cost", margin=1.011).with_section("vram", reserve_bytes=16 * MIB)
+RULES = rules_of(LANE.policy)
 
 
 EMPTY = LedgerTotals()
@@ -191,7 +194,7 @@ def test_the_holds_name_themselves_in_the_decision() -> None:
 def _lane(clock, *, counters: bool = True, guard: bool = True):  # type: ignore[no-untyped-def]
     from sidecar.admission import Admission
 
-    policy = maxq() if guard else maxq().with_section("guard", enabled=False)
+    policy = LANE if guard else LANE.with_section("guard", enabled=False)
     a = Admission(policy, clock)
     progress = {"prefill_computed_tokens": 0, "prefill_cached_tokens": 0} if counters else {}
     a.update_snapshot(
