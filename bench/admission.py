@@ -929,11 +929,7 @@ def format_tables(rows: list[dict[str, Any]], fid: list[tuple[str, str, str]]) -
             lines.append(f"  {name:24s}{g:16s}" + "".join(cells))
         lines.append("")
     checked = checked_crashes(rows)
-    more: dict[str, set[int]] = defaultdict(set)
-    for r in rows:
-        if r.get("crash_check"):
-            more[r["scenario"]].add(r["seed"])
-    n = max((len(v) for v in more.values()), default=0)
+    _, n = seed_counts(rows)
     lines += [
         "Acceptance (sidecar: zero crashes on every seed and setting; >= 95 % of oracle; >= every baseline",
         "with zero crashes on every seed and setting of the scenario, the bar the sidecar is held to)",
@@ -1039,13 +1035,20 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def seed_counts(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """(the tables' seeds, the zero-crash check's further seeds), read from the rows (a saved run
+    redrawn with ``--from-json`` has no arguments to ask), the most any scenario ran."""
+    tables: dict[str, set[int]] = defaultdict(set)
+    more: dict[str, set[int]] = defaultdict(set)
+    for r in rows:
+        (more if r.get("crash_check") else tables)[r["scenario"]].add(r["seed"])
+    return max(map(len, tables.values()), default=0), max(map(len, more.values()), default=0)
+
+
 def _title(rows: list[dict[str, Any]]) -> str:
-    seeds = len(
-        {r["seed"] for r in rows if r["scenario"] == rows[0]["scenario"] and not r.get("crash_check")}
-    )
+    seeds, further = seed_counts(rows)
     settings = len({(r["lag"], r["perturbation"]) for r in rows})
-    checked = {r["seed"] for r in rows if r["scenario"] == rows[0]["scenario"]}
-    more = f"; sidecar crashes over {len(checked)} seeds" if len(checked) > seeds else ""
+    more = f"; sidecar crashes over {seeds + further} seeds" if further else ""
     return f"Admission quality by gate and scenario ({seeds} seed(s), {settings} settings{more})"
 
 

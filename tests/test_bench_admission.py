@@ -189,7 +189,10 @@ def test_the_zero_crash_check_runs_the_sidecar_on_further_seeds_and_only_its_cra
     lines = bench.acceptance(summary, bench.checked_crashes(rows))
     seed = checks[1]["seed"]
     assert f"SHORT: 1 crash in the zero-crash check (default/none seed {seed})" in lines[0]
-    assert "zero-crash check" in bench.format_tables(rows, [("f", "a", "b")])
+    tables = bench.format_tables(rows, [("f", "a", "b")])
+    assert "The zero-crash check ran the sidecar alone on 2 more seeds" in tables
+    assert bench.seed_counts(rows) == (1, 2)
+    assert bench._title(rows).endswith("(1 seed(s), 1 settings; sidecar crashes over 3 seeds)")
 
 
 def test_policy_set_changes_the_sidecars_policy_validated_and_names_a_wrong_field() -> None:
