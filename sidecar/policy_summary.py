@@ -224,7 +224,11 @@ def _idle_free(policy: Policy, rules: Rules) -> str:
 
 def _monitor(policy: Policy) -> str:
     m, cost = policy.monitor, policy.cost
-    limits = f"by more than {m.tolerance:.1%} and {format_size(m.min_bytes)}"
+    limits = (
+        f"by more than {format_size(m.min_bytes)}"  # tolerance 0: every byte past min_bytes counts
+        if m.tolerance == 0
+        else f"by more than {m.tolerance:.1%} and {format_size(m.min_bytes)}"
+    )
     if cost.calibrated_ratio is None:
         seen = f"(over the projection {limits})"
     else:
