@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/sglang-sidecar demo
 
 test: $(STAMP) $(TOOLS)
-	$(BIN)/ruff check sidecar tests bench grafana
+	$(BIN)/ruff check sidecar sidecar_emulator tests bench grafana
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS)
 
 # Proxy overhead against nginx and direct (bench/overhead.py); ARGS="--quick" for a two-minute run.
@@ -50,8 +50,8 @@ mutation: $(STAMP)
 	$(BIN)/python scripts/mutation_score.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check sidecar tests bench grafana
-	$(BIN)/ruff format --check sidecar tests bench grafana
+	$(BIN)/ruff check sidecar sidecar_emulator tests bench grafana
+	$(BIN)/ruff format --check sidecar sidecar_emulator tests bench grafana
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache build *.egg-info

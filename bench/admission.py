@@ -1,7 +1,7 @@
 """Admission quality: how much work a lane completes without a crash, against peers' rules and an oracle.
 
 Runs scenarios in virtual time through the engine model (``sidecar/sim``) under eight gates - the engine
-alone, the rules peers ship (``sidecar/sim/baselines.py``), the sidecar with the lane's shipped policy,
+alone, the rules peers ship (``sidecar_emulator/baselines.py``), the sidecar with the lane's shipped policy,
 and an oracle that sees the engine's true state - for several seeds and robustness settings. The tunable
 baselines (concurrency cap, prefill-token budget, prompt-length limit) are swept per scenario on the
 default setting and run everywhere else at their best setting (zero crashes first, then goodput).
@@ -51,12 +51,12 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sidecar.policy import LoadedPolicy, Policy, load_policy_file  # noqa: E402
-from sidecar.sim import baselines as bl  # noqa: E402
-from sidecar.sim.engine import EngineModel  # noqa: E402
-from sidecar.sim.profiles import H200, MAXQ_BOUNDED, LaneProfile, MiB, get_profile  # noqa: E402
-from sidecar.sim.replay import Driver  # noqa: E402
-from sidecar.sim.scenario import Agents, Burst, Request, Requests, Rounds, Scenario, load_scenario  # noqa: E402
+from sidecar.policy.schema import LoadedPolicy, Policy, load_policy_file  # noqa: E402
+from sidecar_emulator import baselines as bl  # noqa: E402
+from sidecar_emulator.engine import EngineModel  # noqa: E402
+from sidecar_emulator.profiles import H200, MAXQ_BOUNDED, LaneProfile, MiB, get_profile  # noqa: E402
+from sidecar_emulator.replay import Driver  # noqa: E402
+from sidecar_emulator.scenario import Agents, Burst, Request, Requests, Rounds, Scenario, load_scenario  # noqa: E402
 
 GATES = [
     "none",
@@ -742,7 +742,7 @@ def largest_admitted_prompt(name: str, max_new: int, below: int | None = None) -
     from sidecar.core.decision import Reason
     from sidecar.core.ledger import LedgerTotals
     from sidecar.core.snapshot import Snapshot
-    from sidecar.intake import rules_of
+    from sidecar.policy.in_force import rules_of
 
     rules = rules_of(policy_for(name).policy)
     situation = Situation(rules, Snapshot(), LedgerTotals(), 0.0, verifies_hits=below is not None)

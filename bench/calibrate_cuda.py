@@ -31,9 +31,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sidecar.calibrate import Coefficients, Probe  # noqa: E402
-from sidecar.sim.probe_lane import true_coefficients  # noqa: E402
-from sidecar.sim.profiles import get_profile  # noqa: E402
+from sidecar.calibrate.fit import Coefficients, Probe  # noqa: E402
+from sidecar_emulator.probe_lane import true_coefficients  # noqa: E402
+from sidecar_emulator.profiles import get_profile  # noqa: E402
 
 POLICY = {
     "h200-qwen3next": "policies/h200-generic.yaml",

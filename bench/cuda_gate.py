@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sidecar.policy import HeadroomSource, load_policy_file
-from sidecar.sim.demo import DEFAULT_SCENARIO, WINDOW_S, run_phase, scale_policy
-from sidecar.sim.replay import format_table
-from sidecar.sim.scenario import load_scenario
+from sidecar.policy.schema import HeadroomSource, load_policy_file
+from sidecar_emulator.demo import DEFAULT_SCENARIO, WINDOW_S, run_phase, scale_policy
+from sidecar_emulator.replay import format_table
+from sidecar_emulator.scenario import load_scenario
 
 
 def facts() -> dict[str, object]:

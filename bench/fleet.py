@@ -33,8 +33,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sidecar.policy import load_policy_file  # noqa: E402
-from sidecar.sim import fleet as F  # noqa: E402
+from sidecar.policy.schema import load_policy_file  # noqa: E402
+from sidecar_emulator import fleet as F  # noqa: E402
 
 SPEED = 20.0
 UNFIT_TOKENS = 300_000

@@ -26,10 +26,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sidecar.policy import load_policy_file  # noqa: E402
-from sidecar.sim import fleet_replay as FR  # noqa: E402
-from sidecar.sim.profiles import get_profile  # noqa: E402
-from sidecar.sim.scenario import load_scenario  # noqa: E402
+from sidecar.policy.schema import load_policy_file  # noqa: E402
+from sidecar_emulator import fleet_replay as FR  # noqa: E402
+from sidecar_emulator.profiles import get_profile  # noqa: E402
+from sidecar_emulator.scenario import load_scenario  # noqa: E402
 
 FLEET = ROOT / "scenarios" / "fleet"
 RESULTS = ROOT / "bench" / "results"
@@ -84,7 +84,7 @@ def main() -> int:
     md = [
         "# Fleets in virtual time (`bench/fleet_replay.py`)",
         "",
-        "`replay --lanes` (sidecar/sim/fleet_replay.py): lanes of the engine model, each with the sidecar's"
+        "`replay --lanes` (sidecar_emulator/fleet_replay.py): lanes of the engine model, each with the sidecar's"
         " gate or without, behind a model of SGLang's router (retries on 408/429/5xx up to 5, breaker 10"
         " consecutive failures / 60 s, health checks; evidence S19, S21). Goodput: served tokens over the run's"
         " own span; makespan: when the last request ended; client errors: answers that were not a completed"

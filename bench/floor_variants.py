@@ -17,7 +17,7 @@ stream chunked SSE. One process each, all on uvloop, loaded one at a time agains
 - ``f``  minimal both with a task per request that reads the parsed body and writes it chunked again,
   as ``c`` does with aiohttp's: ``f`` against ``e`` is the per-chunk relay, ``f`` against ``c``
   the client alone under the same server, ``b`` against ``a`` the client alone under uvicorn.
-- ``g``  ``a`` with ``sidecar/upstream.py``'s client in place of aiohttp's: ``b``'s client with what
+- ``g``  ``a`` with ``sidecar/http/engine_client.py``'s client in place of aiohttp's: ``b``'s client with what
   the sidecar needs on top (timeouts, a connection limit, idle expiry, error classes, backpressure).
 
 Shapes as ``bench/overhead.py``'s saturation (wrk, 64 connections): ``small`` (a small ``POST
@@ -67,7 +67,7 @@ VARIANTS = {
     "d": "minimal both, callbacks, raw body relay",
     "e": "minimal both + a task per request",
     "f": "minimal both + a task, body re-framed",
-    "g": "uvicorn + sidecar/upstream.py (the product's lean client)",
+    "g": "uvicorn + sidecar/http/engine_client.py (the product's lean client)",
 }
 # Hop-by-hop (RFC 9110 §7.6.1) plus what the relay sets itself.
 _DROP_REQUEST = frozenset(
@@ -378,10 +378,10 @@ class MinimalClientApp:
 
 
 class LeanClientFloor(floor_proxy.FloorProxy):
-    """(g): the floor with the sidecar's own lean client (``sidecar/upstream.py``) for aiohttp's."""
+    """(g): the floor with the sidecar's own lean client (``sidecar/http/engine_client.py``) for aiohttp's."""
 
     def make_session(self) -> Any:
-        from sidecar.upstream import UpstreamClient
+        from sidecar.http.engine_client import UpstreamClient
 
         return UpstreamClient(
             self.upstream, max_connections=1024, connect_timeout_s=5.0, read_timeout_s=1800.0

@@ -24,12 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cuda_gate import facts
-from sidecar.policy import load_policy_file
-from sidecar.sim import demo
-from sidecar.sim.probe_lane import perturbed
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.replay import format_table
-from sidecar.sim.scenario import Request, Requests, Scenario
+from sidecar.policy.schema import load_policy_file
+from sidecar_emulator import demo
+from sidecar_emulator.probe_lane import perturbed
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.replay import format_table
+from sidecar_emulator.scenario import Request, Requests, Scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = perturbed(get_profile("maxq-old"), scale=1.2)

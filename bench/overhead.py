@@ -611,8 +611,8 @@ def decision_microbench(n: int = 20_000) -> dict[str, float]:
     from sidecar.core.decide import Situation, decide
     from sidecar.core.ledger import LedgerTotals
     from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
-    from sidecar.intake import rules_of
-    from sidecar.policy import load_policy_text
+    from sidecar.policy.in_force import rules_of
+    from sidecar.policy.schema import load_policy_text
 
     rules = rules_of(load_policy_text(POLICY, "overhead-bench.yaml").policy)
     now = time.monotonic()

@@ -17,10 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sidecar.policy import load_policy_file  # noqa: E402
-from sidecar.sim.profiles import get_profile  # noqa: E402
-from sidecar.sim.replay import run_replay  # noqa: E402
-from sidecar.sim.scenario import load_scenario  # noqa: E402
+from sidecar.policy.schema import load_policy_file  # noqa: E402
+from sidecar_emulator.profiles import get_profile  # noqa: E402
+from sidecar_emulator.replay import run_replay  # noqa: E402
+from sidecar_emulator.scenario import load_scenario  # noqa: E402
 
 VARIANTS = [
     ("shipped", None),

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import aiohttp
 
-from sidecar.admission import Outcome
+from sidecar.admission.controller import Outcome
 from sidecar.app import SidecarApp
-from sidecar.policy import load_policy_file
-from sidecar.serving import ServingLimits, serve_app
+from sidecar.http.server import ServingLimits, serve_app
+from sidecar.policy.schema import load_policy_file
 from sidecar.signals.gpu import parse_gpu_source
-from sidecar.sim.demo import scale_policy
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
+from sidecar_emulator.demo import scale_policy
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.server import EmulatorServer, build_emulator_app, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "policies" / "maxq-qwen3next-bounded.yaml"

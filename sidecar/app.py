@@ -22,25 +22,25 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from sidecar.access import AccessLog
-from sidecar.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
-from sidecar.admission import Admission
-from sidecar.asgi import ASGIApp, Message, Receive, Scope, Send
-from sidecar.clock import LoopClock
+from sidecar.admission.clock import LoopClock
+from sidecar.admission.controller import Admission
 from sidecar.core import demand
 from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
-from sidecar.hosts import LOCAL_NAMES_ONLY, HostCheck
-from sidecar.loads import LOADS_PATH, LoadsEndpoint
-from sidecar.observe import StateCollector, Telemetry, register_process_metrics
-from sidecar.policy import LoadedPolicy, PolicyError
-from sidecar.policy_source import PolicySource
-from sidecar.proxy import ClientGone, Proxy, make_session, read_body
-from sidecar.requests import BadRequest
-from sidecar.responses import Response, error_response, json_response, send_response
-from sidecar.routes import RouteTable, normalize_path
+from sidecar.http.access_log import AccessLog
+from sidecar.http.answers import Response, error_response, invalid_request, json_response, send_response
+from sidecar.http.asgi import ASGIApp, Message, Receive, Scope, Send
+from sidecar.http.hosts import LOCAL_NAMES_ONLY, HostCheck
+from sidecar.http.proxy import ClientGone, Proxy, make_session, read_body
+from sidecar.intake.body import BadRequest
+from sidecar.intake.tokens import CounterConfig, PromptCounter, TokenizerLoadError
+from sidecar.ops.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
+from sidecar.ops.loads import LOADS_PATH, LoadsEndpoint
+from sidecar.ops.telemetry import StateCollector, Telemetry, register_process_metrics
+from sidecar.policy.engine_routes import RouteTable, normalize_path
+from sidecar.policy.schema import LoadedPolicy, PolicyError
+from sidecar.policy.source import PolicySource
 from sidecar.signals.engine import EngineScraper, Sooner, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
-from sidecar.tokens import CounterConfig, PromptCounter, TokenizerLoadError
 
 log = logging.getLogger("sidecar")
 
@@ -430,7 +430,7 @@ async def _bounded_admin_body(scope: Scope, receive: Receive, send: Send) -> Rec
             source='the admin endpoints\' limit; explain any size with {"prompt_tokens": N}',
         )
     except BadRequest as e:
-        await send_response(send, json_response(e.status, e.error_body()))
+        await send_response(send, json_response(e.status, invalid_request(e)))
         return None
     except ClientGone:
         return None

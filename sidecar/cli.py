@@ -19,8 +19,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from sidecar import __version__
-from sidecar.policy import PolicyError, load_policy_file
-from sidecar.serving import ServingLimits, uvicorn_options
+from sidecar.http.server import ServingLimits, uvicorn_options
+from sidecar.policy.schema import PolicyError, load_policy_file
 
 EXIT_USAGE = 2
 
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("url", nargs="?", default="http://127.0.0.1:8001/readyz", help="the URL to poll")
     w.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after this long")
 
-    from sidecar.calibrate_io import add_parser as add_calibrate
+    from sidecar.calibrate.command import add_parser as add_calibrate
 
     add_calibrate(sub, DefaultsShown)
 
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None, help="seed (default: the scenario's)")
     r.add_argument("--json", metavar="OUT", help="write the full result as JSON")
     r.add_argument("--plot", metavar="OUT.png", help="plot memory, pools, queue and decisions over time")
-    f = r.add_argument_group("a fleet behind a router (sidecar/sim/fleet_replay.py)")
+    f = r.add_argument_group("a fleet behind a router (sidecar_emulator/fleet_replay.py)")
     f.add_argument(
         "--lanes",
         metavar="N|N,M|FLEET.yaml",
@@ -225,7 +225,7 @@ def _check_policy(args: argparse.Namespace) -> int:
     except PolicyError as e:
         print(str(e), file=sys.stderr)
         return EXIT_USAGE
-    from sidecar.policy_summary import render, summarize
+    from sidecar.policy.summary import render, summarize
 
     p = loaded.policy
     print(f"{args.file}: OK: policy {p.name!r} sha256 {loaded.sha256}")
@@ -244,7 +244,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
         return _fail("invalid settings (flags or SIDECAR_* environment):\n" + "\n".join(lines))
-    from sidecar.logs import setup_logging
+    from sidecar.ops.logs import setup_logging
 
     pipeline = setup_logging(settings.log_level, settings.log_format, max_queue=settings.log_queue_lines)
     try:
@@ -281,7 +281,7 @@ def _serve_with(settings: Any) -> int:
     # lines go through the log pipeline in --log-format.
     decision_log = open(settings.decision_log, "a", encoding="utf-8") if settings.decision_log else None  # noqa: SIM115
     from sidecar.app import SidecarApp
-    from sidecar.observe import sidecar_version
+    from sidecar.ops.telemetry import sidecar_version
 
     app = SidecarApp(
         upstream=settings.upstream,
@@ -371,12 +371,12 @@ def run_uvicorn(
         lifespan="on",
         interface="asgi3",  # SidecarApp.__call__ returns its handler's awaitable: not auto-detected
         log_level=log_level,
-        # Our log pipeline (sidecar.logs) carries uvicorn's lines: no handlers, no access log of its own.
+        # Our log pipeline (sidecar.ops.logs) carries uvicorn's lines: no handlers, no access log of its own.
         log_config=None,
         access_log=False,
         # The drain already waited for in-flight requests; this is only the listener's last word.
         timeout_graceful_shutdown=2,
-        # Header deadline, header size, body gap, connection cap: sidecar/serving.py.
+        # Header deadline, header size, body gap, connection cap: sidecar/http/server.py.
         **uvicorn_options(limits or ServingLimits(), forwarded_allow_ips),
     )
 
@@ -519,31 +519,31 @@ def _wait(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from sidecar.sim.demo import run_demo
+    from sidecar_emulator.demo import run_demo
 
     return run_demo(args)
 
 
 def _emulate(args: argparse.Namespace) -> int:
-    from sidecar.logs import installed
-    from sidecar.sim.server import main as emulate_main
+    from sidecar.ops.logs import installed
+    from sidecar_emulator.server import main as emulate_main
 
     with installed("info", "text"):
         return emulate_main(args)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from sidecar.calibrate_io import main as calibrate_main
+    from sidecar.calibrate.command import main as calibrate_main
 
     return calibrate_main(args)
 
 
 def _replay(args: argparse.Namespace) -> int:
     if args.lanes:
-        from sidecar.sim.fleet_replay import main as fleet_main
+        from sidecar_emulator.fleet_replay import main as fleet_main
 
         return fleet_main(args)
-    from sidecar.sim.replay import main as replay_main
+    from sidecar_emulator.replay import main as replay_main
 
     return replay_main(args)
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from sidecar.hosts import HostCheck
-from sidecar.serving import ServingLimits
+from sidecar.http.hosts import HostCheck
+from sidecar.http.server import ServingLimits
 
 
 class Mode(StrEnum):
@@ -90,12 +90,12 @@ class Settings(BaseSettings):
     upstream_connect_timeout_s: float = _opt(
         5.0, gt=0, help="time to connect to the upstream before 503 engine_unavailable", metavar="S"
     )
-    # sidecar/upstream.py: the same relay for less CPU than aiohttp's client (on 2 cores 40-45 % less per
+    # sidecar/http/engine_client.py: the same relay for less CPU than aiohttp's client (on 2 cores 40-45 % less per
     # pass-through request, about a fifth less per SSE event: bench/results/floor-variants.md). aiohttp
     # stays selectable, and carries https:// engines (the lean client speaks plain HTTP/1.1 only).
     upstream_client: Literal["lean", "aiohttp"] = _opt(
         "lean",
-        help="the HTTP client to the engine: lean (asyncio + httptools, sidecar/upstream.py: less CPU per "
+        help="the HTTP client to the engine: lean (asyncio + httptools, sidecar/http/engine_client.py: less CPU per "
         "request) or aiohttp (the earlier client; an https:// engine is always reached through it)",
     )
     # SIGTERM: stop admitting, let in-flight streams finish for up to this long.
@@ -126,7 +126,7 @@ class Settings(BaseSettings):
         "against the emulator, never in front of a real engine",
     )
 
-    # The data port's per-connection limits (sidecar/serving.py says why each exists).
+    # The data port's per-connection limits (sidecar/http/server.py says why each exists).
     header_timeout_s: float = _opt(
         10.0,
         gt=0,

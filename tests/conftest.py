@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.admission import Admission, Handle
+from sidecar.admission.controller import Admission, Handle
 from sidecar.core import demand
 from sidecar.core.demand import Demand
 from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
-from sidecar.intake import rules_of
-from sidecar.policy import LoadedPolicy, Policy, load_policy_file, load_policy_text
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import LoadedPolicy, Policy, load_policy_file, load_policy_text
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ROOT / "policies"

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from sidecar.app import SidecarApp
-from sidecar.serving import ServingLimits, serve_app, serve_sidecar
+from sidecar.http.server import ServingLimits, serve_app, serve_sidecar
 from sidecar.signals.gpu import parse_gpu_source
 from tests.conftest import MIB, small_policy
 

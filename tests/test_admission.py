@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sidecar.admission import Admission, Handle, Outcome
+from sidecar.admission.controller import Admission, Handle, Outcome
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals

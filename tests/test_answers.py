@@ -189,7 +189,7 @@ def test_answers_section_is_validated() -> None:
     assert p.policy.answers.unfit_lane.status == 413
     assert p.policy.answers.for_reason("queue_full").status == 429
     assert p.policy.answers.for_reason("hold_timeout").status == 503
-    from sidecar.policy import PolicyError
+    from sidecar.policy.schema import PolicyError
 
     with pytest.raises(PolicyError, match=r"answers\.reasons\.queue_ful"):
         small_policy(answers__reasons={"queue_ful": {"status": 429}})
@@ -214,10 +214,10 @@ def test_prefill_rate_is_a_ratio_of_sums_not_an_average_of_ratios() -> None:
 
 
 def test_replay_reports_whether_a_retry_at_retry_after_would_have_got_in() -> None:
-    from sidecar.policy import load_policy_file
-    from sidecar.sim.profiles import get_profile
-    from sidecar.sim.replay import run_replay
-    from sidecar.sim.scenario import load_scenario
+    from sidecar.policy.schema import load_policy_file
+    from sidecar_emulator.profiles import get_profile
+    from sidecar_emulator.replay import run_replay
+    from sidecar_emulator.scenario import load_scenario
     from tests.conftest import ROOT
 
     path = ROOT / "scenarios" / "noisy-neighbour.yaml"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.calibrate import (
+from sidecar.calibrate.fit import (
     Bounds,
     Coefficients,
     Fit,
@@ -26,13 +26,13 @@ from sidecar.calibrate import (
     run_probes,
 )
 from sidecar.cli import main
-from sidecar.policy import load_policy_file, load_policy_text
-from sidecar.sim.engine import EngineModel
-from sidecar.sim.probe_lane import ModelLane, calibrate_on_model, perturbed, true_coefficients
-from sidecar.sim.profiles import PROFILES, LaneProfile, MiB, get_profile
-from sidecar.sim.replay import run_replay
-from sidecar.sim.scenario import load_scenario
-from sidecar.sim.server import EmulatorServer, build_emulator_app
+from sidecar.policy.schema import load_policy_file, load_policy_text
+from sidecar_emulator.engine import EngineModel
+from sidecar_emulator.probe_lane import ModelLane, calibrate_on_model, perturbed, true_coefficients
+from sidecar_emulator.profiles import PROFILES, LaneProfile, MiB, get_profile
+from sidecar_emulator.replay import run_replay
+from sidecar_emulator.scenario import load_scenario
+from sidecar_emulator.server import EmulatorServer, build_emulator_app
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = {  # which shipped policy file describes each profile's lane (the start of a calibration)
@@ -192,7 +192,7 @@ def test_proposal_is_a_valid_policy_that_states_its_limits() -> None:
     p = load_policy_text(text).policy
     assert p.cost.calibrated_up_to_prompt_tokens == result.largest_prompt_tokens
     # What the observations reached against the fit, the margin before its safety: the monitor
-    # compares readings with the cost terms times it (sidecar/monitor.py).
+    # compares readings with the cost terms times it (sidecar/admission/lane_watch.py).
     covered = max(1.0, result.envelope_ratio, 1.0 + 3.0 * result.noise_sigma)
     assert result.covered_ratio == pytest.approx(covered) and result.margin == pytest.approx(covered * 1.05)
     assert (

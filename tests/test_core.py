@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.admission import Admission, Handle, Outcome
+from sidecar.admission.controller import Admission, Handle, Outcome
 from sidecar.core import demand
 from sidecar.core.cost import shape
 from sidecar.core.decide import Situation, charge_of, decide, headroom_bytes, retry_after_s
@@ -22,9 +22,10 @@ from sidecar.core.demand import Demand
 from sidecar.core.ledger import Ledger, LedgerTotals
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import GpuSignals, Snapshot, SourceHealth
-from sidecar.intake import demand_of, rules_of
-from sidecar.requests import parse_generation
-from sidecar.tokens import TokenCount
+from sidecar.intake.body import parse_generation
+from sidecar.intake.demand import demand_of
+from sidecar.intake.tokens import TokenCount
+from sidecar.policy.in_force import rules_of
 from tests.conftest import MIB, ManualClock, small_policy, snapshot, submit, with_engine
 
 NOW = 5000.0
@@ -731,7 +732,7 @@ def test_a_failing_observer_is_logged_and_admission_goes_on(
 
     a = Admission(small_policy(), clock, observer=Broken())
     a.update_snapshot(snapshot(clock(), free_bytes=10 * MIB))
-    with caplog.at_level(logging.ERROR, logger="sidecar.admission"):
+    with caplog.at_level(logging.ERROR, logger="sidecar.admission.controller"):
         h = submit(a, one_mib(a))
         h.end(Outcome.COMPLETED)
     assert a.ledger.totals == LedgerTotals() and h.outcome is Outcome.COMPLETED

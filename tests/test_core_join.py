@@ -13,15 +13,15 @@ import sys
 
 import pytest
 
-from sidecar.admission import Outcome
+from sidecar.admission.controller import Outcome
 from sidecar.core import constraints
 from sidecar.core.decide import Situation, decide, join_pending, join_settles
 from sidecar.core.decision import Action, Reason
 from sidecar.core.ledger import LedgerTotals
-from sidecar.intake import rules_of
-from sidecar.sim import baselines as bl
-from sidecar.sim.profiles import MiB, get_profile
-from sidecar.sim.scenario import load_scenario
+from sidecar.policy.in_force import rules_of
+from sidecar_emulator import baselines as bl
+from sidecar_emulator.profiles import MiB, get_profile
+from sidecar_emulator.scenario import load_scenario
 from tests.conftest import ROOT, ManualClock, ask, maxq, small_policy, snapshot, submit
 
 NOW = 1000.0
@@ -80,7 +80,7 @@ def test_join_settles(at: float | None, joins: bool, want: float | None) -> None
 
 
 def _lane(clock: ManualClock, settle: float = 0.05):  # type: ignore[no-untyped-def]
-    from sidecar.admission import Admission
+    from sidecar.admission.controller import Admission
 
     policy = small_policy(cost__batch_join_bytes="1KiB", cost__join_settle_s=settle)
     a = Admission(policy, clock)
@@ -191,7 +191,7 @@ def test_a_settle_timer_that_fires_early_is_set_again() -> None:
 
 
 def test_even_a_one_byte_join_is_waited_for(clock: ManualClock) -> None:
-    from sidecar.admission import Admission
+    from sidecar.admission.controller import Admission
 
     a = Admission(small_policy(cost__batch_join_bytes=1), clock)
     a.update_snapshot(snapshot(clock(), free_bytes=100 * MiB))

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.admission import Admission, Outcome
+from sidecar.admission.controller import Admission, Outcome
 from sidecar.core import demand
 from sidecar.core.cost import project_at_progress
 from sidecar.core.decision import Action, Charge, Check, Decision, Reason
@@ -26,8 +26,8 @@ from sidecar.core.overrun import (
 )
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, Snapshot
-from sidecar.intake import rules_of
-from sidecar.policy import LoadedPolicy
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import LoadedPolicy
 from tests.conftest import ManualClock, small_policy, snapshot
 
 KIB = 1024
@@ -641,13 +641,13 @@ def test_a_prefill_s_end_reads_none_of_the_other_prefills(clock: ManualClock, mo
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    import sidecar.admission
+    import sidecar.admission.controller
 
     counting(Admission, "in_flight")
     counting(PrefillProgress, "done")
     counting(PrefillProgress, "prefills")
     counting(PrefillProgress, "_attribute")
-    counting(sidecar.admission, "in_flight_bytes")
+    counting(sidecar.admission.controller, "in_flight_bytes")
     # The youngest first: the order that made each end walk every prefill admitted before it.
     for h in reversed(hs[1:]):
         if h is hs[40]:
@@ -995,7 +995,7 @@ def test_a_shell_that_fails_to_abort_is_logged_and_one_without_a_callback_is_not
         raise RuntimeError("upstream gone")
 
     hs[2].on_overrun(broken)
-    with caplog.at_level("ERROR", logger="sidecar.admission"):
+    with caplog.at_level("ERROR", logger="sidecar.admission.controller"):
         a.reload(policy(cost__margin=1.7))  # r4 and r3 (then r2) no longer fit; only r3 has a callback
     assert [h.outcome for h in hs] == [
         None,
@@ -1003,7 +1003,7 @@ def test_a_shell_that_fails_to_abort_is_logged_and_one_without_a_callback_is_not
         Outcome.PREFILL_OVERRUN,
         Outcome.PREFILL_OVERRUN,
     ]
-    failed = [r for r in caplog.records if r.name == "sidecar.admission"]
+    failed = [r for r in caplog.records if r.name == "sidecar.admission.controller"]
     assert [r.getMessage() for r in failed] == ["the shell failed to abort r3 upstream"]
     assert failed[0].exc_info is not None and failed[0].exc_info[0] is RuntimeError
 

@@ -20,7 +20,7 @@ from sidecar.core.decision import Action, Check, Reason
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.overrun import Prefill, overruns, peak
 from sidecar.core.snapshot import DeviceMemory, GpuSignals
-from sidecar.intake import rules_of
+from sidecar.policy.in_force import rules_of
 from tests.conftest import MIB, ask, maxq, small_policy, snapshot, submit, with_engine
 
 NOW = 1000.0
@@ -192,7 +192,7 @@ def test_the_holds_name_themselves_in_the_decision() -> None:
 
 
 def _lane(clock, *, counters: bool = True, guard: bool = True):  # type: ignore[no-untyped-def]
-    from sidecar.admission import Admission
+    from sidecar.admission.controller import Admission
 
     policy = LANE if guard else LANE.with_section("guard", enabled=False)
     a = Admission(policy, clock)

@@ -8,7 +8,7 @@ from sidecar.core import demand
 from sidecar.core.decide import Situation, decide
 from sidecar.core.decision import Check
 from sidecar.core.ledger import Ledger
-from sidecar.intake import rules_of
+from sidecar.policy.in_force import rules_of
 from tests.conftest import small_policy, snapshot
 
 NOW = 100.0

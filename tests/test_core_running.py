@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.admission import Admission, Handle, Outcome
+from sidecar.admission.controller import Admission, Handle, Outcome
 from sidecar.core import demand
 from sidecar.core.cost import UNBOUNDED_BYTES, Shape, chunk_context, project_bytes
 from sidecar.core.decide import Situation, decide, retry_after_s
@@ -19,7 +19,7 @@ from sidecar.core.decision import Action, Charge, Check, Reason
 from sidecar.core.ledger import Ledger, LedgerTotals
 from sidecar.core.prefill_rate import PrefillRate
 from sidecar.core.rules import CostModel, Rules
-from sidecar.intake import rules_of
+from sidecar.policy.in_force import rules_of
 from tests.conftest import MIB, ManualClock, small_policy, snapshot, submit, with_engine
 
 NOW = 5000.0

@@ -15,7 +15,7 @@ from sidecar.core.decision import Action, Check, Decision, Reason
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot, SourceHealth
-from sidecar.intake import rules_of
+from sidecar.policy.in_force import rules_of
 from tests.conftest import MIB, small_policy, snapshot
 
 NOW = 5000.0

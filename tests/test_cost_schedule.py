@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from sidecar.core.cost import project_bytes, project_own, shape
 from sidecar.core.rules import CostModel
-from sidecar.sim.engine import EngineModel
-from sidecar.sim.events import FirstToken
-from sidecar.sim.profiles import MAXQ_BOUNDED, MAXQ_OLD, LaneProfile
+from sidecar_emulator.engine import EngineModel
+from sidecar_emulator.events import FirstToken
+from sidecar_emulator.profiles import MAXQ_BOUNDED, MAXQ_OLD, LaneProfile
 
 MiB = 1 << 20
 

@@ -11,8 +11,8 @@ from sidecar.core.decide import Situation, decide
 from sidecar.core.decision import Charge, Reason
 from sidecar.core.ledger import Ledger, LedgerTotals
 from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot
-from sidecar.intake import rules_of
-from sidecar.policy import load_policy_file
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import load_policy_file
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

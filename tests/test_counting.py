@@ -149,16 +149,16 @@ async def test_a_reload_loads_the_tokenizer_off_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGHUP with a policy that names a tokenizer.json: loaded in a worker thread, then in force."""
-    import sidecar.tokens
+    import sidecar.intake.tokens
 
     threads: list[threading.Thread] = []
-    real = sidecar.tokens.load_tokenizer
+    real = sidecar.intake.tokens.load_tokenizer
 
     def spy(path):  # type: ignore[no-untyped-def]
         threads.append(threading.current_thread())
         return real(path)
 
-    monkeypatch.setattr(sidecar.tokens, "load_tokenizer", spy)
+    monkeypatch.setattr(sidecar.intake.tokens, "load_tokenizer", spy)
     policy_file = tmp_path / "policy.yaml"
     engine = CountingEngine()
     async with (

@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from sidecar.admission import Admission, Outcome
+from sidecar.admission.controller import Admission, Outcome
 from sidecar.core import demand
 from sidecar.core.decision import Reason
-from sidecar.intake import demand_of, rules_of
-from sidecar.requests import parse_generation
-from sidecar.tokens import TokenCount
+from sidecar.intake.body import parse_generation
+from sidecar.intake.demand import demand_of
+from sidecar.intake.tokens import TokenCount
+from sidecar.policy.in_force import rules_of
 from tests.conftest import ManualClock, small_policy, snapshot, submit
 
 # A lane with a 51-slot Mamba pool (lane 2), a checkpoint every 4,096 prompt tokens, and a decode

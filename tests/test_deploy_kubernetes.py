@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.policy import load_policy_text
+from sidecar.policy.schema import load_policy_text
 from tests.kustomize import build
 from tests.tools import ROOT
 

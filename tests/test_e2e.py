@@ -6,13 +6,13 @@ from dataclasses import asdict
 
 import pytest
 
-from sidecar.policy import load_policy_file
+from sidecar.policy.schema import load_policy_file
 from sidecar.signals.engine import EngineScraper, make_control_client
-from sidecar.sim.demo import DEFAULT_SCENARIO, run_phase, scale_policy
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.readings import engine_signals
-from sidecar.sim.scenario import load_scenario
-from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
+from sidecar_emulator.demo import DEFAULT_SCENARIO, run_phase, scale_policy
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.readings import engine_signals
+from sidecar_emulator.scenario import load_scenario
+from sidecar_emulator.server import EmulatorServer, build_emulator_app, build_model
 from tests.conftest import ROOT
 from tests.harness import eventually
 

@@ -9,13 +9,13 @@ import re
 import httpx
 import pytest
 
-from sidecar.sim.profiles import get_profile
+from sidecar_emulator.profiles import get_profile
 from tests.harness import eventually
 from tests.test_sim_server import start
 
 
 async def test_the_emulator_logs_its_crash_and_its_restart(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="sidecar.sim")
+    caplog.set_level(logging.INFO, logger="sidecar_emulator")
     server = await start(get_profile("maxq-old").replace(restart_s=60.0), speed=100.0)
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:

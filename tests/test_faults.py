@@ -25,10 +25,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-from sidecar import logs
-from sidecar.admission import Outcome
+from sidecar.admission.controller import Outcome
 from sidecar.app import SidecarApp
-from sidecar.policy import LoadedPolicy, load_policy_file
+from sidecar.ops import logs
+from sidecar.policy.schema import LoadedPolicy, load_policy_file
 from tests.conftest import small_policy
 from tests.harness import (
     FAST,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import sglang_router  # noqa: F401  (the test extra installs it: a missing router fails, never skips)
 
-from sidecar.sim import fleet as F
+from sidecar_emulator import fleet as F
 from tests.conftest import maxq
 
 SPEED = 20.0

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sidecar import cli
-from sidecar.sim.fleet import RECOMMENDED_ROUTER_FLAGS
-from sidecar.sim.fleet_replay import (
+from sidecar_emulator.fleet import RECOMMENDED_ROUTER_FLAGS
+from sidecar_emulator.fleet_replay import (
     ROUTER_DEFAULTS,
     ROUTER_RECOMMENDED,
     Breaker,
@@ -21,8 +21,8 @@ from sidecar.sim.fleet_replay import (
     run_fleet,
     with_router_answers,
 )
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.scenario import load_scenario
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.scenario import load_scenario
 from tests.conftest import ROOT, maxq
 
 # 12 requests no Max-Q lane can ever run (300K tokens), 4 a second, then 10 small ones.
@@ -151,7 +151,7 @@ def test_cli_compares_lane_counts_and_rules_and_says_what_is_wrong(
 
 
 def test_the_shipped_fleet_file_loads() -> None:
-    from sidecar.sim.fleet_replay import load_fleet
+    from sidecar_emulator.fleet_replay import load_fleet
 
     lanes = load_fleet(ROOT / "scenarios" / "fleet" / "maxq-and-h200.fleet.yaml", "maxq-old", maxq())
     assert [(lane.name, lane.profile.name) for lane in lanes] == [

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from sidecar.serving import serve_app
+from sidecar.http.server import serve_app
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))

@@ -28,15 +28,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import sidecar.requests as requests_module
-from sidecar.admission import Admission, Outcome
-from sidecar.clock import LoopClock
-from sidecar.intake import demand_of
-from sidecar.policy import PolicyError, load_policy_text
-from sidecar.requests import EXPLAIN_PATH, BadRequest, GenerationRequest, parse_explain, parse_generation
-from sidecar.responses import decision_fields
-from sidecar.routes import RouteTable
-from sidecar.tokens import CounterConfig, PromptCounter
+import sidecar.intake.body as requests_module
+from sidecar.admission.clock import LoopClock
+from sidecar.admission.controller import Admission, Outcome
+from sidecar.http.answers import decision_fields, invalid_request
+from sidecar.intake.body import EXPLAIN_PATH, BadRequest, GenerationRequest, parse_explain, parse_generation
+from sidecar.intake.demand import demand_of
+from sidecar.intake.tokens import CounterConfig, PromptCounter
+from sidecar.policy.engine_routes import RouteTable
+from sidecar.policy.schema import PolicyError, load_policy_text
 from tests.conftest import POLICIES, ManualClock, small_policy, snapshot
 from tests.harness import FakeEngine, lane
 
@@ -203,7 +203,7 @@ def check_bad_request(e: BadRequest, body: bytes) -> None:
         assert e.param, e
         root = e.param.split(".")[0].split("[")[0]
         assert root.encode() in body or root.lower().startswith("x-"), (e, body[:200])
-    body_obj = e.error_body()
+    body_obj = invalid_request(e)
     assert orjson.dumps(body_obj)  # the answer itself can be written
 
 
@@ -255,7 +255,7 @@ def test_every_explain_body_is_a_decision_or_a_clear_400(body: bytes, path: str 
     DECIDER.decide(req)
 
 
-# A flat `input_ids` of a large body is counted in the raw bytes (sidecar.idscan), not decoded: the two
+# A flat `input_ids` of a large body is counted in the raw bytes (sidecar.intake.idscan), not decoded: the two
 # paths must agree. The one documented difference: an array malformed in a way that still balances
 # (`[1,,2 3]`, `[01]`) is counted and forwarded, where decoding refuses it (the engine refuses it too).
 id_arrays = st.lists(

@@ -9,8 +9,8 @@ from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
-from sidecar.intake import rules_of
-from sidecar.policy import HeadroomSource, Policy, load_policy_file
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import HeadroomSource, Policy, load_policy_file
 from tests.conftest import MIB, ROOT, ask, maxq, small_policy, snapshot, with_engine
 
 NOW = 5000.0
@@ -284,7 +284,7 @@ def test_projection_is_per_chunk_not_per_prompt() -> None:
 
 
 def test_gather_cap_bounds_the_bounded_build() -> None:
-    from sidecar.policy import load_policy_file
+    from sidecar.policy.schema import load_policy_file
     from tests.conftest import POLICIES
 
     bounded = load_policy_file(POLICIES / "maxq-qwen3next-bounded.yaml").policy

@@ -18,16 +18,16 @@ from typing import Any
 import openai
 import pytest
 
-from sidecar.admission import Outcome
+from sidecar.admission.controller import Outcome
 from sidecar.app import SidecarApp
-from sidecar.serving import serve_app
+from sidecar.http.server import serve_app
 from sidecar.signals.gpu import parse_gpu_source
-from sidecar.sim.demo import scale_policy
-from sidecar.sim.probe_lane import perturbed
-from sidecar.sim.profiles import MiB, get_profile
-from sidecar.sim.replay import Driver
-from sidecar.sim.scenario import GpuEvent, Request, Requests, Scenario
-from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
+from sidecar_emulator.demo import scale_policy
+from sidecar_emulator.probe_lane import perturbed
+from sidecar_emulator.profiles import MiB, get_profile
+from sidecar_emulator.replay import Driver
+from sidecar_emulator.scenario import GpuEvent, Request, Requests, Scenario
+from sidecar_emulator.server import EmulatorServer, build_emulator_app, build_model
 from tests.conftest import maxq
 from tests.harness import eventually
 
@@ -105,7 +105,7 @@ def test_a_neighbour_growing_mid_prefill_aborts_what_no_longer_fits_and_it_is_se
 def test_without_a_progress_counter_the_guard_still_acts_on_a_raised_margin() -> None:
     """An engine that exports no `realtime_tokens_total`: the monitor compares with the final peaks,
     as before the counter was read, and notices later; the guard still stops what it can."""
-    import sidecar.sim.replay as replay
+    import sidecar_emulator.replay as replay
 
     sc = scenario([Request(t=0, prompt_tokens=260_000, max_new_tokens=64)])
     profile = perturbed(get_profile("maxq-old"), scale=1.2)

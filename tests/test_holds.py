@@ -18,12 +18,12 @@ import openai
 
 from sidecar.app import SidecarApp
 from sidecar.core.decision import Reason
-from sidecar.serving import serve_app
+from sidecar.http.server import serve_app
 from sidecar.signals.gpu import parse_gpu_source
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.replay import Driver
-from sidecar.sim.scenario import Rounds, Scenario
-from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.replay import Driver
+from sidecar_emulator.scenario import Rounds, Scenario
+from sidecar_emulator.server import EmulatorServer, build_emulator_app, build_model
 from tests.conftest import small_policy
 from tests.harness import eventually
 
@@ -101,7 +101,7 @@ def rounds(count: int) -> Scenario:
 
 
 def test_replay_admits_held_rounds_as_the_engine_alone_would_and_at_the_poll_without_sooner_reads() -> None:
-    from sidecar.policy import load_policy_file
+    from sidecar.policy.schema import load_policy_file
     from tests.conftest import POLICIES
 
     sc = rounds(3)

@@ -18,10 +18,17 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
-from sidecar.admission import Outcome
+from sidecar.admission.controller import Outcome
 from sidecar.app import SidecarApp
-from sidecar.routes import LATEST, NOT_PREFILL, PREFILL_ROUTES, REFUSED_PATHS, Route, normalize_path
-from sidecar.serving import ServingLimits
+from sidecar.http.server import ServingLimits
+from sidecar.policy.engine_routes import (
+    LATEST,
+    NOT_PREFILL,
+    PREFILL_ROUTES,
+    REFUSED_PATHS,
+    Route,
+    normalize_path,
+)
 from tests.harness import METRICS_TEMPLATE, FakeEngine, eventually, gen, lane, serve
 
 FIXTURES = Path(__file__).parent / "fixtures" / "routes"
@@ -174,7 +181,7 @@ async def test_a_redirect_never_names_the_engine(tmp_path: Path) -> None:
 
 
 def test_location_rewrite() -> None:
-    from sidecar.proxy import _local_location, _origin
+    from sidecar.http.proxy import _local_location, _origin
 
     o = _origin("http://127.0.0.1:30000")
     assert _local_location(b"http://127.0.0.1:30000/generate", o) == b"/generate"
@@ -569,7 +576,7 @@ async def test_client_priority_is_bounded_by_the_policy(
 
 
 def test_priority_policy_is_checked() -> None:
-    from sidecar.policy import PolicyError
+    from sidecar.policy.schema import PolicyError
     from tests.conftest import small_policy
 
     for bad in (
@@ -752,7 +759,7 @@ async def test_a_keep_alive_connection_arms_no_timer_per_request_and_still_times
     """The header deadline and the body gap share one lazily armed timer per connection: 30 requests
     on one keep-alive connection arm a handful of timers, not three per request (issue #12); and the
     31st request, whose headers stall, still gets its 408 from that timer."""
-    from sidecar.serving import GuardedHttpToolsProtocol
+    from sidecar.http.server import GuardedHttpToolsProtocol
 
     async with lane(tmp_path, FakeEngine(), limits=SHORT) as (url, app, _):
         loop = asyncio.get_running_loop()

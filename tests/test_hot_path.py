@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from sidecar.access import ACCESS_NOTE, AccessLog
 from sidecar.core.snapshot import EngineSignals
-from sidecar.hosts import json_body_refusal
+from sidecar.http.access_log import ACCESS_NOTE, AccessLog
+from sidecar.http.hosts import json_body_refusal
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,9 @@ async def test_json_format_start_line_access_log_and_drain(tmp_path: Path) -> No
     assert MARKER not in err
     lines = [json.loads(line) for line in err.splitlines() if line.strip()]  # every line is JSON
     loggers = {rec["logger"] for rec in lines}
-    assert "uvicorn.error" in loggers and "sidecar.access" in loggers and "sidecar.decision" in loggers
+    assert (
+        "uvicorn.error" in loggers and "sidecar.http.access_log" in loggers and "sidecar.decision" in loggers
+    )
     [start] = [r for r in lines if r.get("event") == "start"]
     assert start["upstream"] == engine_url and start["listen"] == url.removeprefix("http://")
     assert start["policy"] == "test-lane" and len(start["policy_sha256"]) == 64
@@ -115,12 +117,12 @@ async def test_json_format_start_line_access_log_and_drain(tmp_path: Path) -> No
     [gen] = [
         r
         for r in lines
-        if r["logger"] == "sidecar.access" and r["path"] == "/generate" and r["status"] == 200
+        if r["logger"] == "sidecar.http.access_log" and r["path"] == "/generate" and r["status"] == 200
     ]
     assert gen["method"] == "POST" and gen["decision"] == "admit" and gen["upstream_status"] == 200
     # Every body byte the client got, though the chunks bypass the log's per-message wrapper.
     assert gen["request_id"] == "req-42" and gen["bytes"] == len(first + rest) and gen["duration_ms"] > 0
-    drained = [r for r in lines if r["logger"] == "sidecar.access" and r.get("reason") == "draining"]
+    drained = [r for r in lines if r["logger"] == "sidecar.http.access_log" and r.get("reason") == "draining"]
     assert len(drained) == 1 and drained[0]["status"] == 503 and drained[0]["upstream_status"] is None
     decisions = [r for r in lines if r.get("event") == "decision"]
     assert decisions and all("prompt_tokens" in r for r in decisions)
@@ -144,7 +146,7 @@ async def test_text_format_at_debug_is_the_sidecars_own_lines(tmp_path: Path) ->
     lines = [line for line in err.splitlines() if line.strip()]
     names = [line.split(" ")[2].rstrip(":") for line in lines if line[:4].isdigit()]
     assert not [n for n in names if n.split(".")[0] in ("httpx", "httpcore", "aiohttp", "asyncio")]
-    assert sum(n == "sidecar.access" for n in names) >= 20
+    assert sum(n == "sidecar.http.access_log" for n in names) >= 20
     assert any("sglang-sidecar" in line and "starting: upstream" in line for line in lines)
     assert any(n.startswith("uvicorn") for n in names)
     # Every line that is not a traceback continuation starts with the timestamp: one format.

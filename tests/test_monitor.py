@@ -1,4 +1,4 @@
-"""The lane watch (sidecar/monitor.py): `vram.idle_free_bytes: auto` and the under-prediction monitor.
+"""The lane watch (sidecar/admission/lane_watch.py): `vram.idle_free_bytes: auto` and the under-prediction monitor.
 
 The pure rules (`excess`, `raised_margin`) and the watch inside a real `Admission` fed snapshots on a
 manual clock; `make mutation` runs these against the core's mutants. The acceptance run in replay and
@@ -12,14 +12,14 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.admission import Admission, Outcome
+from sidecar.admission.controller import Admission, Outcome
+from sidecar.admission.lane_watch import LaneWatch, excess, raised_margin
 from sidecar.core.decision import Action
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import HeadroomSource, Rules
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, Snapshot, SourceHealth
-from sidecar.intake import rules_of
-from sidecar.monitor import LaneWatch, excess, raised_margin
-from sidecar.policy import LoadedPolicy, Monitor
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import LoadedPolicy, Monitor
 from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot, submit
 
 GIB = 1024 * MIB
@@ -157,7 +157,7 @@ def test_an_allocation_beyond_the_projection_is_counted_named_and_raises_the_mar
     submit(a, ask(a, 1000, request_id="r1"))
     submit(a, ask(a, 500, request_id="r2"))  # projected 1,100 + 550 MiB
     clock.advance(0.1)
-    with caplog.at_level("WARNING", logger="sidecar.monitor"):
+    with caplog.at_level("WARNING", logger="sidecar.admission.lane_watch"):
         a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1980 * MIB))
     assert a.watch.underestimates == 1
     f = a.watch.last
@@ -169,7 +169,7 @@ def test_an_allocation_beyond_the_projection_is_counted_named_and_raises_the_mar
     assert ask(a, 1000).projected_bytes == int(1000 * MIB * 1.37)
     margin = a.watch.state(clock.t + 3)["monitor"]["margin"]
     assert margin["raised"] and margin["since_age_s"] == 3 and "r1, r2" in margin["why"]
-    (record,) = [r for r in caplog.records if r.name == "sidecar.monitor"]
+    (record,) = [r for r in caplog.records if r.name == "sidecar.admission.lane_watch"]
     fields = record.fields  # type: ignore[attr-defined]
     assert fields["event"] == "projection_underestimate" and fields["request_ids"] == ["r1", "r2"]
     assert fields["observed_bytes"] == 1980 * MIB and fields["margin_after"] == pytest.approx(1.37)
@@ -194,7 +194,7 @@ def test_with_a_calibrated_ratio_a_reading_is_judged_against_the_cost_terms_not_
     a = monitored(clock, cost__calibrated_ratio=1.0)
     submit(a, ask(a, 1000, request_id="r1"))
     clock.advance(0.1)
-    with caplog.at_level("WARNING", logger="sidecar.monitor"):
+    with caplog.at_level("WARNING", logger="sidecar.admission.lane_watch"):
         a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1080 * MIB))
     assert a.watch.underestimates == 1
     f = a.watch.last
@@ -202,7 +202,7 @@ def test_with_a_calibrated_ratio_a_reading_is_judged_against_the_cost_terms_not_
     assert f.ratio == pytest.approx(1.08) and f.covered == 1.0
     # The margin covers what was seen plus the step: 1.08 + 0.05.
     assert a.rules.cost.margin == pytest.approx(1.13)
-    (record,) = [r for r in caplog.records if r.name == "sidecar.monitor"]
+    (record,) = [r for r in caplog.records if r.name == "sidecar.admission.lane_watch"]
     assert "its cost terms x1.000" in record.getMessage() and record.fields["covered"] == 1.0  # type: ignore[attr-defined]
     # What a finding showed is known from then on: a new low within it and the tolerance is none ...
     assert a.watch.covered == pytest.approx(1.08)

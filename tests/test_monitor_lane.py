@@ -14,10 +14,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.sim.probe_lane import perturbed
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.replay import Driver
-from sidecar.sim.scenario import load_scenario
+from sidecar_emulator.probe_lane import perturbed
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.replay import Driver
+from sidecar_emulator.scenario import load_scenario
 from tests.conftest import MIB, ROOT, maxq
 from tests.harness import FakeEngine, eventually, gen, lane, write_gpu_file
 

@@ -1,4 +1,4 @@
-"""What the lane watch (sidecar/monitor.py) tells people and the gate, to the character and the byte.
+"""What the lane watch (sidecar/admission/lane_watch.py) tells people and the gate, to the character and the byte.
 
 An on-call engineer reads the monitor through its log lines and ``/admission/state``; the gate reads
 it through ``observe``'s answer (rebuild the rules or not) and ``effective``. These tests pin each
@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
+from sidecar.admission.lane_watch import Finding, LaneWatch, _why, excess
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, Snapshot
-from sidecar.intake import rules_of
-from sidecar.monitor import Finding, LaneWatch, _why, excess
-from sidecar.policy import Monitor, Policy
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import Monitor, Policy
 from tests.conftest import MIB, small_policy, snapshot
 
 GIB = 1024 * MIB
@@ -48,7 +48,11 @@ def reading(at: float, free: int, other: int | None = None, **engine: object) ->
 
 
 def records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, dict[str, Any]]]:
-    out = [(r.levelname, r.getMessage(), r.fields) for r in caplog.records if r.name == "sidecar.monitor"]  # type: ignore[attr-defined]
+    out = [
+        (r.levelname, r.getMessage(), r.fields)
+        for r in caplog.records
+        if r.name == "sidecar.admission.lane_watch"
+    ]  # type: ignore[attr-defined]
     caplog.clear()
     return out
 
@@ -208,7 +212,7 @@ def test_an_engine_restart_is_counted_and_forgets_the_traffic() -> None:
 
 
 def test_the_idle_figure_is_logged_once_per_engine_process(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="sidecar.monitor")
+    caplog.set_level(logging.INFO, logger="sidecar.admission.lane_watch")
     w, _, rules = lane(vram__idle_free_bytes="auto")
     w.observe(reading(1.0, 10 * GIB), IDLE, rules, 1.0)
     assert records(caplog) == [
@@ -243,7 +247,7 @@ def test_the_idle_figure_is_logged_once_per_engine_process(caplog: pytest.LogCap
 def test_a_restart_is_logged_when_an_idle_figure_is_forgotten_or_will_be_measured(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="sidecar.monitor")
+    caplog.set_level(logging.INFO, logger="sidecar.admission.lane_watch")
     w, _, rules = lane()  # the policy's figure, nothing measured: nothing to forget, nothing to say
     w.engine_restarted(1.0, "scheduler pid changed")
     assert records(caplog) == []
@@ -262,7 +266,7 @@ def test_a_restart_is_logged_when_an_idle_figure_is_forgotten_or_will_be_measure
 def test_memory_taken_while_nothing_was_admitted_is_logged_and_counted_each_time(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="sidecar.monitor")
+    caplog.set_level(logging.INFO, logger="sidecar.admission.lane_watch")
     w, _, rules = lane()
     assert not w.observe(reading(1.0, 10 * GIB - 200 * MIB, queue_requests=1), IDLE, rules, 1.0)
     assert records(caplog) == [
@@ -280,7 +284,7 @@ def test_memory_taken_while_nothing_was_admitted_is_logged_and_counted_each_time
 def test_a_new_finding_is_logged_even_when_it_raises_nothing_and_a_worse_one_of_the_same_is_not(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="sidecar.monitor")
+    caplog.set_level(logging.INFO, logger="sidecar.admission.lane_watch")
     w, _, rules = lane(monitor__raise_margin=False)
     w.charged(1, "r1", BUSY, rules.cost, False)
     assert not w.observe(reading(1.0, 10 * GIB - 1100 * MIB, running_requests=1), BUSY, rules, 1.0)

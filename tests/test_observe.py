@@ -123,7 +123,7 @@ async def test_sighup_reloads_the_policy_file_and_keeps_it_on_error(tmp_path: Pa
     policy_file = tmp_path / "policy.yaml"
     data = json.loads(small_policy(**FAST).policy.model_dump_json())
     policy_file.write_text(yaml.safe_dump(data))
-    from sidecar.policy import load_policy_file
+    from sidecar.policy.schema import load_policy_file
 
     async with serve(engine) as engine_url:
         app = SidecarApp(
@@ -158,7 +158,7 @@ def test_the_decision_log_writer_keeps_every_line_in_order_and_drops_past_its_bo
     import io
     import threading
 
-    from sidecar.observe import LineWriter
+    from sidecar.ops.telemetry import LineWriter
 
     out = io.StringIO()
     writer = LineWriter(out, batch_s=0.001)
@@ -199,16 +199,16 @@ async def test_no_decision_record_is_built_when_nothing_writes_it(tmp_path: Path
     dict of ~30 fields and the lane context) is never built. At INFO it is, once per decision."""
     import logging
 
-    import sidecar.observe
+    import sidecar.ops.telemetry
 
     built: list[object] = []
-    real = sidecar.observe.decision_record
+    real = sidecar.ops.telemetry.decision_record
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         built.append(args[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sidecar.observe, "decision_record", spy)
+    monkeypatch.setattr(sidecar.ops.telemetry, "decision_record", spy)
     logger = logging.getLogger("sidecar.decision")
     old = logger.level
     engine = FakeEngine(events=1)

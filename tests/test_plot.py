@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from sidecar.policy import load_policy_file
-from sidecar.sim.plot import build_figure
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.replay import run_replay
-from sidecar.sim.scenario import load_scenario
+from sidecar.policy.schema import load_policy_file
+from sidecar_emulator.plot import build_figure
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.replay import run_replay
+from sidecar_emulator.scenario import load_scenario
 from tests.conftest import ROOT
 from tests.test_cli import run
 

@@ -10,9 +10,9 @@ from sidecar.core.decide import Situation, decide
 from sidecar.core.decision import Reason
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.snapshot import Snapshot
-from sidecar.intake import rules_of
-from sidecar.policy import PolicyError, load_policy_file, load_policy_text
-from sidecar.policy_summary import summarize
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import PolicyError, load_policy_file, load_policy_text
+from sidecar.policy.summary import summarize
 from tests.conftest import POLICIES, ask
 from tests.test_cli import run
 

@@ -20,7 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.app import SidecarApp
-from sidecar.policy import load_policy_file
+from sidecar.policy.schema import load_policy_file
 from tests.conftest import ROOT, small_policy
 from tests.harness import (
     FAST,
@@ -95,7 +95,7 @@ async def test_an_upload_is_written_to_the_file_so_sighup_keeps_it(tmp_path: Pat
             assert "not_a_field" in failure["error"]
             counted = reloads((await client.get(url.admin + "/metrics")).text)
             assert counted == {"applied": 2.0, "refused": 1.0}
-    messages = [r.getMessage() for r in caplog.records if r.name == "sidecar.policy"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "sidecar.policy.schema"]
     assert any("via upload: applied uploaded" in m for m in messages)
     assert any("via sighup: applied uploaded" in m for m in messages)
     assert any("via sighup: refused, keeping uploaded" in m and "not_a_field" in m for m in messages)
@@ -120,7 +120,7 @@ async def test_refused_uploads_and_bad_tokens_are_logged_and_change_nothing(tmp_
             assert policy_file.read_text() == original and app.admission.policy.name == "from-file"
             state = (await client.get(url.admin + "/admission/state")).json()["policy"]
             assert state["last_failure"]["via"] == "upload"
-    messages = [r.getMessage() for r in caplog.records if r.name == "sidecar.policy"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "sidecar.policy.schema"]
     assert any("refused (401)" in m and "127.0.0.1" in m for m in messages)
     assert any("via upload: refused" in m and "bogus" in m for m in messages)
 

@@ -30,11 +30,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.app import SidecarApp
-from sidecar.policy import load_policy_file
+from sidecar.policy.schema import load_policy_file
 from sidecar.settings import Settings
 from sidecar.signals.gpu import parse_gpu_source
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.server import EmulatorServer, build_emulator_app, build_model
 from tests.harness import eventually, serve_both
 from tests.tools import ROOT, tool
 

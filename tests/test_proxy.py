@@ -275,7 +275,7 @@ async def test_the_parsed_request_is_dropped_once_the_stream_is_forwarded(tmp_pa
     only the raw bytes may stay alive, not the parsed request."""
     import gc
 
-    from sidecar.requests import GenerationRequest
+    from sidecar.intake.body import GenerationRequest
 
     engine = FakeEngine(events=2)
     async with (
@@ -297,7 +297,7 @@ async def test_a_large_body_is_forwarded_whole_and_let_go_of_while_the_stream_ru
     gated body is still held (issue #12: RSS per in-flight request), and the engine got every id."""
     import gc
 
-    from sidecar.proxy import _Body
+    from sidecar.http.proxy import _Body
 
     engine = FakeEngine(events=2)
     ids = [(i * 7919) % 151_000 for i in range(60_000)]  # ~400 KB: counted in the raw bytes, streamed
@@ -318,7 +318,7 @@ async def test_a_large_body_is_forwarded_whole_and_let_go_of_while_the_stream_ru
 
 def test_a_requests_headers_are_decoded_once_for_the_parser_and_the_forwarder() -> None:
     """The parser's dict and the upstream request's headers read one decoded list, kept in the scope."""
-    from sidecar.proxy import _headers_dict, _request_headers
+    from sidecar.http.proxy import _headers_dict, _request_headers
 
     scope = {"headers": [(b"host", b"x"), (b"x-priority", b"3"), (b"user-agent", "café".encode())]}
     assert _headers_dict(scope) == {"host": "x", "x-priority": "3", "user-agent": "café"}
@@ -333,8 +333,8 @@ async def test_until_disconnect_cancels_the_work_when_the_client_goes_and_return
     watch, or a body still being relayed: ``after``), and the guarded server's own callback. The work
     is cancelled (its cleanup runs), the caller returns normally; a work that ends first is not
     cancelled and no callback outlives it."""
-    from sidecar.proxy import _until_disconnect
-    from sidecar.serving import DISCONNECT_WATCH
+    from sidecar.http.proxy import _until_disconnect
+    from sidecar.http.server import DISCONNECT_WATCH
 
     class Watch:
         def __init__(self) -> None:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.policy import load_policy_file
+from sidecar.policy.schema import load_policy_file
 from sidecar.signals.engine import parse_loads, parse_metrics, parse_server_info
-from sidecar.sim.engine import EngineModel
-from sidecar.sim.exposition import FrontendMetrics, loads_json, render_metrics, server_info
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.readings import engine_signals
-from sidecar.sim.replay import run_replay
-from sidecar.sim.scenario import ScenarioError, load_scenario, load_trace
+from sidecar_emulator.engine import EngineModel
+from sidecar_emulator.exposition import FrontendMetrics, loads_json, render_metrics, server_info
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.readings import engine_signals
+from sidecar_emulator.replay import run_replay
+from sidecar_emulator.scenario import ScenarioError, load_scenario, load_trace
 from tests.conftest import ROOT
 
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
@@ -229,7 +229,7 @@ def test_replay_command_locates_scenario_errors(tmp_path: Path) -> None:
 
 def test_live_nvml_free_starves_a_caching_engine_and_the_idle_budget_does_not() -> None:
     """Why the Max-Q policies budget idle memory: PyTorch keeps NVML free at its low-water mark."""
-    from sidecar.policy import HeadroomSource
+    from sidecar.policy.schema import HeadroomSource
 
     path = ROOT / "scenarios" / "maxq-outage-burst.yaml"
     sc = load_scenario(path)
@@ -260,8 +260,8 @@ def test_a_neighbour_growing_on_the_card_is_taken_out_of_the_budget() -> None:
 
 def test_outage_scenario_dies_in_the_incidents_state() -> None:
     """Ungated, the outage scenario crashes where the incident did (evidence I4, I5; free memory: D11)."""
-    from sidecar.sim.profiles import MiB
-    from sidecar.sim.replay import Driver
+    from sidecar_emulator.profiles import MiB
+    from sidecar_emulator.replay import Driver
 
     sc = load_scenario(ROOT / "scenarios" / "maxq-outage-burst.yaml")
     driver = Driver(sc, get_profile(sc.profile), None, sc.seed)

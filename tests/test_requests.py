@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from sidecar import idscan
-from sidecar.idscan import CountedIds, JsonText, find_ids, find_text
-from sidecar.requests import (
+from sidecar.http.answers import invalid_request
+from sidecar.intake import idscan
+from sidecar.intake.body import (
     DEFAULT_MAX_BODY_BYTES,
     LIFT_IDS_BYTES,
     BadRequest,
@@ -20,6 +20,7 @@ from sidecar.requests import (
     parse_explain,
     parse_generation,
 )
+from sidecar.intake.idscan import CountedIds, JsonText, find_ids, find_text
 
 LIMIT = 1_000_000
 
@@ -864,7 +865,7 @@ def test_default_limit_fits_a_524k_token_prompt() -> None:
     raw = json.dumps({"text": prompt}).encode()
     assert len(raw) > 4_000_000
     text = parse_generation("/generate", raw, max_body_bytes=DEFAULT_MAX_BODY_BYTES).prompt_text
-    # Left encoded in the body (sidecar.idscan), measured exactly, decoded whole only on demand.
+    # Left encoded in the body (sidecar.intake.idscan), measured exactly, decoded whole only on demand.
     assert isinstance(text, JsonText) and text.utf8_len == len(prompt.encode()) and text.text() == prompt
 
 
@@ -878,7 +879,7 @@ def test_body_too_large_at_least_form() -> None:
 
 def test_error_body_is_openai_shaped() -> None:
     error = bad(CHAT, {"messages": [{"role": "user", "content": 3}]})
-    assert error.error_body() == {
+    assert invalid_request(error) == {
         "error": {
             "message": 'field "messages[0].content" must be a string or a list of content parts, got number',
             "type": "invalid_request_error",
@@ -975,7 +976,7 @@ def test_bodies_the_fast_parser_refuses_are_decided_by_the_standard_one(body: by
     assert req.prompt_text is not None and req.prompt_text.startswith(("a", "h", "x"))
 
 
-# -- a large flat input_ids array is counted in the raw bytes, not decoded (sidecar.idscan) ---------
+# -- a large flat input_ids array is counted in the raw bytes, not decoded (sidecar.intake.idscan) ---------
 
 BIG = 60_000  # ids: a body past requests.LIFT_IDS_BYTES (~7 bytes an id with ", ")
 

@@ -22,13 +22,13 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.admission import Admission, Handle, Outcome
-from sidecar.clock import LoopClock
+from sidecar.admission.clock import LoopClock
+from sidecar.admission.controller import Admission, Handle, Outcome
 from sidecar.core.decision import Reason
 from sidecar.core.ledger import LedgerTotals
-from sidecar.observe import Telemetry
-from sidecar.proxy import Proxy, _Body, make_session
-from sidecar.tokens import PromptCounter
+from sidecar.http.proxy import Proxy, _Body, make_session
+from sidecar.intake.tokens import PromptCounter
+from sidecar.ops.telemetry import Telemetry
 from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot, submit
 from tests.harness import (
     FAST,

@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 
 from sidecar.app import SidecarApp
-from sidecar.policy import LoadedPolicy, Policy
+from sidecar.policy.schema import LoadedPolicy, Policy
 from sidecar.signals.gpu import parse_gpu_source
-from sidecar.sim.events import Crashed, FirstToken
-from sidecar.sim.profiles import get_profile
-from sidecar.sim.server import EmulatorServer, build_emulator_app, build_model
+from sidecar_emulator.events import Crashed, FirstToken
+from sidecar_emulator.profiles import get_profile
+from sidecar_emulator.server import EmulatorServer, build_emulator_app, build_model
 from tests.conftest import maxq
 from tests.harness import FakeEngine, _respond, eventually, gen, lane, serve_both
 
@@ -107,7 +107,7 @@ async def test_fit_signal_is_zero_when_nothing_would_be_admitted(tmp_path: Path)
 def test_fit_bisection_finds_the_edge_within_its_resolution_and_reuses_the_last_answer() -> None:
     """The bisection is only as good as its two promises: never above the edge, at most
     FIT_RESOLUTION_TOKENS below it; and a scrape of an unchanged lane costs two evaluations."""
-    from sidecar.routing import FIT_RESOLUTION_TOKENS, _bisect
+    from sidecar.ops.router_view import FIT_RESOLUTION_TOKENS, _bisect
 
     top = 1_000_000
     for edge in (0, 1, 2, 63, 64, 65, 1000, 499_999, 999_998, top):

@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 
-from sidecar.admin import ADMIN_PATHS
-from sidecar.hosts import HostCheck
-from sidecar.policy import LoadedPolicy
+from sidecar.http.hosts import HostCheck
+from sidecar.ops.admin import ADMIN_PATHS
+from sidecar.policy.schema import LoadedPolicy
 from tests.conftest import ROOT
 from tests.harness import FakeEngine, eventually, gen, lane, write_gpu_file
 from tests.test_faults import outcomes

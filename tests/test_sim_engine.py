@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.sim.device import ModeledDevice
-from sidecar.sim.engine import MAMBA_CRASH, EngineModel
-from sidecar.sim.events import (
+from sidecar_emulator.device import ModeledDevice
+from sidecar_emulator.engine import MAMBA_CRASH, EngineModel
+from sidecar_emulator.events import (
     Crashed,
     Event,
     Failed,
@@ -23,7 +23,7 @@ from sidecar.sim.events import (
     Retracted,
     Tokens,
 )
-from sidecar.sim.profiles import (
+from sidecar_emulator.profiles import (
     MAXQ_BOUNDED,
     MAXQ_OLD,
     GiB,
@@ -412,8 +412,8 @@ def test_a_caching_allocator_keeps_nvml_free_at_its_low_water_mark() -> None:
 def test_cpu_mode_never_imports_torch() -> None:
     code = (
         "import sys\n"
-        "from sidecar.sim.profiles import get_profile\n"
-        "from sidecar.sim.server import build_emulator_app, build_model\n"
+        "from sidecar_emulator.profiles import get_profile\n"
+        "from sidecar_emulator.server import build_emulator_app, build_model\n"
         "m = build_model(get_profile('maxq-old'))\n"
         "build_emulator_app(m)\n"
         "m.submit('a', 1000, max_new_tokens=2, now=0.0)\n"
@@ -429,7 +429,7 @@ def test_cpu_mode_never_imports_torch() -> None:
     reason="needs torch and an NVIDIA GPU",
 )
 def test_cuda_mode_dies_of_cudas_own_out_of_memory() -> None:
-    from sidecar.sim.device import TorchDevice
+    from sidecar_emulator.device import TorchDevice
 
     device = TorchDevice(MAXQ_OLD)  # the real card is filled down to the profile's idle free memory
     try:

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.sim.engine import EngineModel
-from sidecar.sim.exposition import FrontendMetrics, gauge_values, render_metrics
-from sidecar.sim.profiles import LaneProfile, get_profile
-from sidecar.sim.server import EmulatorServer, build_emulator_app, parse_generation
+from sidecar_emulator.engine import EngineModel
+from sidecar_emulator.exposition import FrontendMetrics, gauge_values, render_metrics
+from sidecar_emulator.profiles import LaneProfile, get_profile
+from sidecar_emulator.server import EmulatorServer, build_emulator_app, parse_generation
 
 # SGLang's real responses, kept in tests/fixtures/sglang (see its README).
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from sidecar.idscan import JsonText
-from sidecar.requests import GenerationRequest, parse_generation
-from sidecar.tokens import CounterConfig, PromptCounter, TokenCount, TokenizerLoadError
+from sidecar.intake.body import GenerationRequest, parse_generation
+from sidecar.intake.idscan import JsonText
+from sidecar.intake.tokens import CounterConfig, PromptCounter, TokenCount, TokenizerLoadError
 
 CORPUS = [
     "the cat sat on the mat",
@@ -494,16 +494,16 @@ async def test_reconfigure_loads_the_tokenizer_off_the_event_loop(
 ) -> None:
     import threading
 
-    import sidecar.tokens
+    import sidecar.intake.tokens
 
     threads: list[threading.Thread] = []
-    real = sidecar.tokens.load_tokenizer
+    real = sidecar.intake.tokens.load_tokenizer
 
     def spy(path):  # type: ignore[no-untyped-def]
         threads.append(threading.current_thread())
         return real(path)
 
-    monkeypatch.setattr(sidecar.tokens, "load_tokenizer", spy)
+    monkeypatch.setattr(sidecar.intake.tokens, "load_tokenizer", spy)
     counter = PromptCounter()
     await counter.reconfigure(CounterConfig(tokenizer_path=tokenizer_path))
     assert threads and threads[0] is not threading.main_thread()
@@ -513,7 +513,7 @@ async def test_reconfigure_loads_the_tokenizer_off_the_event_loop(
     assert counter.config.tokenizer_path == tokenizer_path
 
 
-# --- a large text left encoded in its body (sidecar.idscan.JsonText) ---------------------------
+# --- a large text left encoded in its body (sidecar.intake.idscan.JsonText) ---------------------------
 
 BIG_TEXT = "the cat sat on the mat\n" * 20_000  # 120,000 words, 460 KB: measured in the raw body
 

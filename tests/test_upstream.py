@@ -1,4 +1,4 @@
-"""sidecar/upstream.py against real sockets: an engine scripted per test on loopback, so each fault the
+"""sidecar/http/engine_client.py against real sockets: an engine scripted per test on loopback, so each fault the
 proxy's tests inject (refused, silent, stalled, broken mid-answer, cancelled) is the real thing; and the
 proxy's own error mapping applied to what the client raises."""
 
@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from sidecar.proxy import _upstream_error
-from sidecar.serving import serve_app
-from sidecar.upstream import BUFFER_HIGH, UnreachableError, UpstreamClient
+from sidecar.http.engine_client import BUFFER_HIGH, UnreachableError, UpstreamClient
+from sidecar.http.proxy import _upstream_error
+from sidecar.http.server import serve_app
 from tests.harness import FakeEngine, eventually
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]], Awaitable[bool]]
@@ -480,7 +480,7 @@ async def test_the_proxy_relays_through_either_client_and_the_engine_sees_a_leav
 
 
 async def test_lean_is_the_default_and_an_https_engine_is_reached_through_aiohttp() -> None:
-    from sidecar.proxy import make_session
+    from sidecar.http.proxy import make_session
     from sidecar.settings import Settings
 
     assert Settings(upstream="http://127.0.0.1:30000", policy="p.yaml").upstream_client == "lean"

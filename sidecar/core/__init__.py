@@ -1,8 +1,8 @@
 """The admission core: pure, synchronous, standard library only.
 
 ``demand.build`` prices a request once at intake; ``decide(demand, situation)`` admits, holds or
-rejects it and hands back the charge to book in the ``Ledger``. The shell (``sidecar/intake.py``,
-``sidecar/admission.py``) builds the inputs and books the result; nothing here does I/O or reads a
+rejects it and hands back the charge to book in the ``Ledger``. The shell (``sidecar/intake/demand.py``,
+``sidecar/admission/controller.py``) builds the inputs and books the result; nothing here does I/O or reads a
 clock. ``tests/test_core_imports.py`` keeps this package free of anything outside the standard library.
 """
 

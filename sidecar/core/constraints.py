@@ -7,7 +7,7 @@ constraint whose signal is unknown (or stale, where the policy admits blind) pas
 
 To add a constraint: a class with ``reason``, ``on_exceed`` and ``check`` below, its place in
 ``CONSTRAINTS``, its reason in ``decision.Reason``, its section in ``rules.Rules`` and in the policy
-file (``policy.py``, ``intake.rules_of``). ``decide`` does not change.
+file (``policy.py``, ``policy.in_force.rules_of``). ``decide`` does not change.
 """
 
 from __future__ import annotations

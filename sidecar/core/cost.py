@@ -14,7 +14,7 @@ request allocates when it joins the running batch is not a prefill term: ``CostM
 
 To add a term: write a function of ``(CostModel, Shape) -> bytes`` below, add it to ``TERMS``, add its
 coefficient to ``CostModel`` (``core/rules.py``), to the policy's ``cost`` section (``policy.py``) and to
-``intake.rules_of``. Nothing else changes: the demand, the ledger and every constraint read the sum.
+``policy.in_force.rules_of``. Nothing else changes: the demand, the ledger and every constraint read the sum.
 """
 
 from __future__ import annotations

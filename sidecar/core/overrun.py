@@ -3,7 +3,7 @@
 Why: a long prompt is prefilled chunk by chunk for seconds to minutes, and its transient grows with the
 context to its peak at the last chunk. The admission priced that peak with the rules of its instant.
 Two things can make it wrong while the prefill runs: the rules tighten (the under-prediction monitor,
-``sidecar/monitor.py``, has seen this lane allocate more than its coefficients say and raised the
+``sidecar/admission/lane_watch.py``, has seen this lane allocate more than its coefficients say and raised the
 margin) or the room shrinks (another process on the card grew after the request was admitted, which no
 admission-time check can see). A request whose peak no longer fits will kill the engine at its last
 chunk, and every request in flight with it. Aborted before that chunk, it costs only itself: its client

@@ -1,7 +1,7 @@
 """The policy as the decision reads it: plain frozen values, no validation, no YAML.
 
-The shell validates a policy file with pydantic (``sidecar/policy.py``) and builds these once per
-loaded policy (``sidecar/intake.py: rules_of``); the core never imports the validator. Each section
+The shell validates a policy file with pydantic (``sidecar/policy/schema.py``) and builds these once per
+loaded policy (``sidecar/policy/in_force.py: rules_of``); the core never imports the validator. Each section
 here holds only what a rule reads, under the same name as the policy file's field.
 """
 

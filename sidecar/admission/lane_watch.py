@@ -1,0 +1,503 @@
+"""The lane watch: what the sidecar learns about its lane while serving, from the readings it polls.
+
+Two things, both fed by :class:`~sidecar.admission.controller.Admission` (so the live proxy and ``replay`` run
+this same code) and both shown in ``/admission/state``:
+
+* **The idle figure** (``vram.idle_free_bytes: auto``). GPU free memory with the engine idle: its
+  fresh report says nothing runs or waits, the ledger is empty, and both readings were taken after
+  the last request ended. Measured once per engine process: before any traffic it keeps the largest
+  such reading (warm-up may still settle); a first measurement after traffic is a caching allocator's
+  low-water mark, which is conservative, and is not raised later. An engine restart (noticed by the
+  engine scraper, ``EngineScraper.on_engine_changed``) forgets it and measures again. Until it is
+  measured the gate uses live GPU free memory (``policy.in_force.rules_of``): the safe side.
+* **The under-prediction monitor**. At every new GPU reading, the engine's allocation beyond its idle
+  figure (idle free minus free now, less what other processes grew by: the engine process's own used
+  memory where NVML gives per-process figures) against the ledger's projection for what was running:
+  the prefill transients it holds and the batch-join term of its running batch, the largest since the
+  previous reading. A caching allocator (PyTorch's, so SGLang's) shows only new peaks, so a reading
+  below the lowest free seen so far is compared with the largest projection since the idle figure
+  was measured; a drop that is not a new low (an engine that returns memory) with the window's
+  largest. Larger by more than the policy's tolerance: counted, logged with the request ids and the
+  numbers, and, with ``monitor.raise_margin``, the cost margin in force rises to cover it, bounded by
+  ``monitor.max_margin``, until the next policy load (a reload is a new calibration). With
+  ``cost.calibrated_ratio`` the projection a reading is compared with is the fit times that ratio (what
+  the calibration saw), not the margin-priced one: the margin's safety above it is what keeps a prompt
+  at the edge alive when the lane draws higher than it did when calibrated, so a reading that eats
+  into it counts then, not once it is spent (evidence D18); what a finding showed is covered from then
+  on (a later reading counts beyond it).
+
+Nothing here does I/O or reads a clock: ``now`` is passed in. The decision never reads this object;
+it reads the :class:`~sidecar.core.Rules` that :meth:`LaneWatch.effective` builds, in which the margin
+and the idle figure are plain inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.rules import CostModel, Rules
+from sidecar.core.snapshot import GpuSignals, Snapshot
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import Monitor, Policy
+
+log = logging.getLogger("sidecar.admission.lane_watch")
+
+# At most this many request ids in a finding's log line and in /admission/state.
+MAX_IDS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class IdleFree:
+    """GPU free memory with the engine idle, as the sidecar measured it (``monotonic`` seconds)."""
+
+    free_bytes: int
+    other_process_bytes: int | None
+    measured_at: float
+    # Measured after requests ran on this engine process: a caching allocator's low-water mark.
+    after_traffic: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One GPU reading that showed more memory allocated than the ledger projected."""
+
+    at: float
+    observed_bytes: int
+    projected_bytes: int
+    # observed / projected
+    ratio: float
+    free_bytes: int
+    idle_free_bytes: int
+    request_ids: tuple[str, ...]
+    margin_before: float
+    margin_after: float
+    # With ``cost.calibrated_ratio``: the multiple of the cost terms ``projected_bytes`` is (what the
+    # calibration and earlier findings covered); None: the projection as the ledger charged it.
+    covered: float | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "observed_bytes": self.observed_bytes,
+            "projected_bytes": self.projected_bytes,
+            "covered": None if self.covered is None else round(self.covered, 4),
+            "ratio": round(self.ratio, 4),
+            "free_bytes": self.free_bytes,
+            "idle_free_bytes": self.idle_free_bytes,
+            "request_ids": list(self.request_ids),
+            "margin_before": round(self.margin_before, 4),
+            "margin_after": round(self.margin_after, 4),
+        }
+
+
+def excess(observed: int, projected: int, m: Monitor) -> float | None:
+    """``observed / projected`` when the observed allocation exceeds the projection by more than the
+    tolerance and ``min_bytes``, ``inf`` when nothing was projected; None when it does not."""
+    if observed - projected < m.min_bytes or observed <= projected * (1.0 + m.tolerance):
+        return None
+    return observed / projected if projected > 0 else math.inf
+
+
+def raised_margin(
+    margin: float, projected_with: float, policy_margin: float, ratio: float, m: Monitor
+) -> float:
+    """The margin in force after an allocation ``ratio`` times a projection made with the margin
+    ``projected_with``: what covers it plus ``step``, never above ``max_margin`` (nor the policy's own
+    margin), never below ``margin`` (the one in force). A finding with nothing projected says nothing
+    about the coefficients: the margin stays."""
+    if not m.raise_margin or math.isinf(ratio):
+        return margin
+    cap = max(m.max_margin, policy_margin)
+    return max(margin, min(cap, projected_with * ratio + m.step))
+
+
+def projection(totals: LedgerTotals, cost: CostModel) -> int:
+    """What the ledger expects the engine to hold beyond idle now: the prefill transients, or the
+    running batch's join allocation (SGLang never runs the two in one forward pass)."""
+    return max(totals.projected_bytes, cost.join_bytes(totals.running_requests))
+
+
+class LaneWatch:
+    def __init__(self, policy: Policy) -> None:
+        self._policy = policy
+        self.margin = policy.cost.margin
+        # The finding that set the margin in force (None: the policy's own).
+        self.margin_finding: Finding | None = None
+        # What a reading is compared with, as a multiple of the cost terms (None: the projection as
+        # charged, margin included): the calibrated ratio, then the largest a finding showed.
+        self.covered = policy.cost.calibrated_ratio
+        self.idle: IdleFree | None = None
+        self.engine_restarts = 0
+        self.underestimates = 0
+        # Readings that showed memory taken while nothing was admitted (not counted as findings).
+        self.unprojected = 0
+        self.worst_ratio: float | None = None
+        self.last: Finding | None = None
+        self._traffic = False  # anything admitted on this engine process
+        self._last_activity = -math.inf
+        self._low_water: int | None = None
+        self._prev_free: int | None = None
+        self._last_gpu: GpuSignals | None = None
+        # The largest projection since the idle figure (this engine process), and since the previous
+        # GPU reading, each with the margin it was made with.
+        self._peak: tuple[int, float] = (0, self.margin)
+        self._window: tuple[int, float] = (0, self.margin)
+        # The margin of the latest charge: the ledger's bytes were projected with it or a lower one
+        # (a raised margin applies to requests admitted after it, not to the bytes already booked).
+        self._charged_with = self.margin
+        # The smallest margin anything was priced with: the ledger's bytes over it bound their cost
+        # terms from above, whatever margin each was charged. Only a policy load lowers the margin in
+        # force (``raised_margin`` never does), so ``reload`` is the one place it moves.
+        self._floor = self.margin
+        self._alive: dict[int, str] = {}
+        self._window_ids: dict[str, None] = {}
+        # The final peaks of the counted prefills that ended since the previous reading (``left``): of
+        # those that ended while others were in flight, and the largest such sum that ended with none.
+        self._ended_now = 0
+        self._ended_before = 0
+        # What the latest charge was priced with (the policy's model until the first charge).
+        self._cost: CostModel = rules_of(policy).cost
+
+    @property
+    def priced(self) -> CostModel:
+        """The cost model the ledger's bytes were priced with: the rules' coefficients at the margin
+        of the latest charge (a raised margin prices the requests admitted after it, not those in
+        flight, so a reading is compared with what they were charged)."""
+        c = self._cost
+        return c if c.margin == self._charged_with else replace(c, margin=self._charged_with)
+
+    # -- what Admission tells it ---------------------------------------------------------------------
+
+    def reload(self, policy: Policy) -> None:
+        """A new policy: its own margin again; what was measured on the engine stays."""
+        self._policy = policy
+        self.margin = policy.cost.margin
+        self.margin_finding = None
+        self.covered = policy.cost.calibrated_ratio
+        self._floor = min(self._floor, self.margin)
+
+    def engine_restarted(self, now: float, why: str = "restarted") -> None:
+        """A new engine process: its idle figure is measured again, its allocator starts empty."""
+        self.engine_restarts += 1
+        had = self.idle
+        self.idle = None
+        self._traffic = False
+        self._low_water = self._prev_free = None
+        self._peak = self._window = (0, self.margin)
+        self._ended_now = self._ended_before = 0
+        if had is not None or self._policy.vram.idle_free_auto:
+            log.info(
+                "engine changed (%s): idle free memory will be measured again when it is idle",
+                why,
+                extra={"fields": {"event": "idle_free_reset", "why": why}},
+            )
+
+    def charged(
+        self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel, progress: bool
+    ) -> None:
+        """A request was admitted (until it ``ended``, no reading is an idle one).
+
+        ``progress``: the in-flight prefills' progress is known (``core/overrun.py``), so the readings
+        are compared with what they allocate at the point reached (``observe(in_flight=...)``), and
+        the request's final peak is not yet expected: only the batch join it may cause is."""
+        self._alive[key] = request_id
+        self._window_ids.setdefault(request_id)  # an ordered set
+        self._traffic = True
+        self._charged_with = cost.margin
+        self._cost = cost
+        expected = cost.join_bytes(totals.running_requests) if progress else projection(totals, cost)
+        self.expect(expected)
+
+    def expect(self, nbytes: int) -> None:
+        """The engine may have allocated ``nbytes`` beyond idle since the previous reading (a prefill
+        that finished between two readings reached its final peak there)."""
+        p = (nbytes, self._charged_with)
+        self._window = max(self._window, p)
+        self._peak = max(self._peak, p)
+
+    def left(self, peak: int, last: bool) -> None:
+        """A prefill whose progress was counted ended (its first byte, an abort, a failure), with its
+        final peak ``peak`` (``overrun.final_bytes``); ``last``: no other prefill is in flight now.
+        O(1): the next reading is compared with the sum of the peaks that ended since the previous one
+        plus what the prefills in flight then have reached (``observe(in_flight=...)``), see
+        :meth:`_ended`."""
+        self._ended_now += peak
+        if last:
+            # No prefill in flight now overlapped these: the prefills that come next are summed apart.
+            self._ended_before = max(self._ended_before, self._ended_now)
+            self._ended_now = 0
+
+    def _ended(self, in_flight: int | None) -> int:
+        """What the engine may have allocated since the previous reading for the counted prefills that
+        ended in between (``left``), with ``in_flight`` what the prefills in flight at this reading
+        reach (None, unknown: 0 here, their final peaks are expected then); 0 when none ended.
+
+        Why it is enough: when prefill i ended, the engine held at most i's final peak plus what each
+        prefill P then in flight had reached. Either P ended later, before this reading: prefills were
+        in flight all along between the two ends, so P's final peak, the most P can reach, is in i's
+        sum. Or P is still in flight: i's sum is the open one (``_ended_now``), and ``in_flight``
+        prices P at its progress now, at least its progress then (progress only grows, and the
+        estimate bounds it from above, as every reading's comparison assumes). So the figure is at
+        least what pricing every in-flight prefill at i's end gave (the O(in-flight) walk per first
+        byte this replaces) whenever that estimate did not fall in between; where it did (a newer
+        counter below an earlier allowance, a start or a cache hit shown since), the engine's real
+        progress still bounds P, and ``in_flight`` bounds that. It is looser than that walk by the
+        peaks of prefills that ended one after another while others ran (a larger projection: never a
+        false finding); a sum closes when nothing is left in flight, as no later prefill overlapped it."""
+        if not (self._ended_before or self._ended_now):
+            return 0  # none ended: the reading is compared with what is in flight (``_check``)
+        return max(self._ended_before, self._ended_now + (in_flight or 0))
+
+    def ended(self, key: int, now: float) -> None:
+        if self._alive.pop(key, None) is not None:
+            self._last_activity = now
+
+    def observe(
+        self,
+        snap: Snapshot,
+        totals: LedgerTotals,
+        rules: Rules,
+        now: float,
+        in_flight: int | None = None,
+        defer: bool = False,
+    ) -> bool:
+        """A new snapshot; True when the rules it builds (``effective``) change.
+
+        ``in_flight``: what the in-flight prefills allocate at the progress they have reached
+        (``core/overrun.in_flight_bytes``), None when their progress is unknown: a reading is then
+        compared with their final peaks, so a long prefill that runs over is seen only near its end.
+        ``defer``: their progress is too old for this GPU reading (``PrefillProgress.too_old``); it is
+        compared at the next snapshot, with the next engine report."""
+        changed = self._measure_idle(snap, rules, now)
+        g = snap.gpu
+        if g is not None and g is not self._last_gpu and g.free_bytes is not None and not defer:
+            self._last_gpu = g
+            changed = self._check(snap, g, g.free_bytes, totals, rules.cost, now, in_flight) or changed
+        return changed
+
+    # -- what it gives back ----------------------------------------------------------------------------
+
+    def effective(self, base: Rules) -> Rules:
+        """The policy's rules with what was learnt: the margin in force and, for ``auto``, the idle figure."""
+        v, vram = self._policy.vram, base.vram
+        if v.idle_free_auto and self.idle is not None:
+            other = v.other_processes_bytes
+            vram = replace(
+                vram,
+                headroom=v.headroom,
+                idle_free_bytes=self.idle.free_bytes,
+                other_processes_bytes=self.idle.other_process_bytes if other is None else other,
+            )
+        return replace(base, vram=vram, cost=replace(base.cost, margin=self.margin))
+
+    def state(self, now: float) -> dict[str, Any]:
+        """For /admission/state: ages in seconds (the admin endpoint adds wall-clock times)."""
+        v, m, idle = self._policy.vram, self._policy.monitor, self.idle
+        if idle is not None:
+            note = "measured" + (
+                " after traffic (a low-water mark: conservative)" if idle.after_traffic else ""
+            )
+        elif v.idle_free_auto:
+            note = "not measured yet (waiting for an idle engine): headroom is live GPU free memory"
+        else:
+            note = "not measured yet (the policy's figure is in force)"
+        f = self.margin_finding
+        return {
+            "idle_free": {
+                "policy": v.idle_free_bytes,
+                "measured_bytes": idle.free_bytes if idle else None,
+                "measured_other_process_bytes": idle.other_process_bytes if idle else None,
+                "measured_age_s": None if idle is None else round(now - idle.measured_at, 3),
+                "after_traffic": idle.after_traffic if idle else None,
+                "engine_restarts": self.engine_restarts,
+                "note": note,
+            },
+            "monitor": {
+                "underestimates": self.underestimates,
+                "unprojected_allocations": self.unprojected,
+                "worst_ratio": None if self.worst_ratio is None else round(self.worst_ratio, 4),
+                "last": None
+                if self.last is None
+                else self.last.fields() | {"age_s": round(now - self.last.at, 3)},
+                # Readings are compared with the cost terms times this (None: with the projection).
+                "covered_ratio": None if self.covered is None else round(self.covered, 4),
+                "raise_margin": m.raise_margin,
+                "max_margin": max(m.max_margin, self._policy.cost.margin),
+                "margin": {
+                    "policy": self._policy.cost.margin,
+                    "effective": round(self.margin, 4),
+                    "raised": f is not None,
+                    "since_age_s": None if f is None else round(now - f.at, 3),
+                    "why": None if f is None else _why(f),
+                },
+            },
+        }
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _measure_idle(self, snap: Snapshot, rules: Rules, now: float) -> bool:
+        e, g = snap.engine, snap.gpu
+        if e is None or g is None or g.free_bytes is None:
+            return False
+        if self.idle is not None and (self.idle.after_traffic or self._traffic):
+            return False
+        idle = (
+            not self._alive
+            and snap.engine_health.consecutive_failures == 0
+            and e.running_requests == 0
+            and e.queue_requests == 0
+            and min(e.observed_at, g.observed_at) >= self._last_activity
+            and now - e.observed_at <= rules.engine.max_age_s
+            and now - g.observed_at <= rules.gpu.max_age_s
+        )
+        if not idle or (self.idle is not None and g.free_bytes <= self.idle.free_bytes):
+            return False
+        first = self.idle is None
+        self.idle = IdleFree(g.free_bytes, g.other_process_bytes, now, self._traffic)
+        # The allocator holds nothing beyond idle now: new lows count from the idle figure again
+        # (``_check``). An earlier, higher low-water mark would change no comparison: a reading above
+        # the idle figure shows nothing allocated beyond it.
+        self._low_water = None
+        if first:
+            log.info(
+                "idle GPU free memory measured: %.0f MiB%s",
+                g.free_bytes / 2**20,
+                " (after traffic: a low-water mark)" if self._traffic else "",
+                extra={"fields": {"event": "idle_free_measured", "free_bytes": g.free_bytes}},
+            )
+        return self._policy.vram.idle_free_auto
+
+    def _baseline(self) -> tuple[int, int | None] | None:
+        """(idle free, other processes then): the sidecar's measurement, else the policy's figure."""
+        if self.idle is not None:
+            return self.idle.free_bytes, self.idle.other_process_bytes
+        figure = self._policy.vram.idle_free_figure
+        return None if figure is None else (figure, self._policy.vram.other_processes_bytes)
+
+    def _check(
+        self,
+        snap: Snapshot,
+        g: GpuSignals,
+        free: int,
+        totals: LedgerTotals,
+        cost: CostModel,
+        now: float,
+        in_flight: int | None,
+    ) -> bool:
+        base = self._baseline()
+        prev, self._prev_free = self._prev_free, free
+        expected = (
+            projection(totals, cost)
+            if in_flight is None
+            else max(in_flight, cost.join_bytes(totals.running_requests))
+        )
+        current = (expected, self._charged_with)
+        ended = (self._ended(in_flight), self._charged_with)
+        self._ended_now = self._ended_before = 0
+        window, ids = max(self._window, current, ended), tuple(self._window_ids)
+        self._peak = max(self._peak, ended)
+        # What the next reading must still allow for from this one. Without progress, this projection:
+        # a prefill that ends before then leaves the ledger, while its peak stays in the allocator's
+        # cache. With progress, only the running batch's join (a batch that shrinks before then
+        # allocated its join with more requests): the prefills still in flight then are priced at
+        # their progress then, which bounds what they allocated in between (true progress only grows),
+        # and those that end in between are counted by ``left``. Carrying this reading's estimate for
+        # them instead would carry its over-estimate (up to a chunk ahead), and a next reading would
+        # not see an overrun smaller than that: too late for a prompt at the edge of its margin
+        # (evidence D17).
+        self._window = (
+            current if in_flight is None else (cost.join_bytes(totals.running_requests), self._charged_with)
+        )
+        self._window_ids = dict.fromkeys(self._alive.values())
+        # An engine that does not answer may be restarting: its new process's boot is no request's.
+        if base is None or snap.engine_health.consecutive_failures:
+            return False
+        idle_free, idle_other = base
+        low = idle_free if self._low_water is None else self._low_water
+        if free < low:
+            self._low_water = free
+            reference = max(self._peak, window)
+        elif prev is not None and free < prev:
+            reference = window
+        else:
+            return False
+        grown = 0
+        if g.other_process_bytes is not None and idle_other is not None:
+            grown = max(0, g.other_process_bytes - idle_other)
+        observed = idle_free - free - grown
+        projected, projected_with = reference
+        cover = self.covered
+        if cover is not None and projected:
+            # The cost terms (at most the bytes over the smallest margin they were priced with) times
+            # what the calibration and the findings since saw: the margin's safety above that is not
+            # for the lane to use unseen (the module docstring).
+            projected, projected_with = round(projected * cover / self._floor), cover
+        ratio = excess(observed, projected, self._policy.monitor)
+        if ratio is None:
+            return False
+        if math.isinf(ratio):
+            # Nothing was projected: no coefficient of the policy is wrong; memory was taken outside
+            # any request (another process, where the GPU source cannot tell; the engine itself).
+            self.unprojected += 1
+            log.info(
+                "GPU memory shows %.0f MiB taken beyond idle while nothing was admitted: another "
+                "process (the GPU source cannot tell) or the engine outside any request",
+                observed / 2**20,
+                extra={"fields": {"event": "unprojected_allocation", "observed_bytes": observed}},
+            )
+            return False
+        before = self.margin
+        self.margin = raised_margin(
+            before, projected_with, self._policy.cost.margin, ratio, self._policy.monitor
+        )
+        if cover is not None:
+            # What the lane has shown is known from now on: a later reading counts beyond it.
+            self.covered = max(cover, projected_with * ratio)
+        finding = Finding(
+            now,
+            observed,
+            projected,
+            ratio,
+            free,
+            idle_free,
+            ids[:MAX_IDS],
+            before,
+            self.margin,
+            cover,
+        )
+        # The same requests still running (a long prefill whose chunks grow): the same finding, worse.
+        again = bool(ids) and self.last is not None and self.last.request_ids == finding.request_ids
+        self.underestimates += not again
+        self.last = finding
+        self.worst_ratio = ratio if self.worst_ratio is None else max(self.worst_ratio, ratio)
+        raised = self.margin != before
+        if raised:
+            self.margin_finding = finding
+        if raised or not again:
+            log.warning(
+                "projection under-estimate: %s; recalibrate this lane (sglang-sidecar calibrate)",
+                _why(finding),
+                extra={"fields": {"event": "projection_underestimate", **finding.fields()}},
+            )
+        return raised
+
+
+def _why(f: Finding) -> str:
+    mib = 2**20
+    seen = (
+        f"GPU memory showed {f.observed_bytes / mib:,.0f} MiB allocated beyond idle, the ledger projected "
+        f"{f.projected_bytes / mib:,.0f} MiB"
+    )
+    if f.covered is not None:
+        seen += f" (its cost terms x{f.covered:.3f}: what the lane was seen to allocate, without the margin's safety)"
+    ratio = f"x{f.ratio:.3f}"
+    who = ", ".join(f.request_ids) or "no request running"
+    margin = (
+        f"margin {f.margin_before:.3f} -> {f.margin_after:.3f}"
+        if f.margin_after != f.margin_before
+        else f"margin stays {f.margin_after:.3f}"
+    )
+    return f"{seen} ({ratio}) for {who}; {margin}"

@@ -1,0 +1,754 @@
+"""The data path: a plain-ASGI streaming reverse proxy with the admission gate in front of it.
+
+Why plain ASGI and aiohttp: this is the hot path. No ``BaseHTTPMiddleware`` (it hides disconnects), no
+framework routing per request, and aiohttp's client streams several times faster than httpx's
+(issue #2's measurement). Per request we do what must be done per request - read and parse the body,
+count tokens, decide, forward - and per chunk only a ``send``.
+
+Client disconnects are watched from the moment the body has been read: while held, while waiting for
+the engine's headers, and mid-stream. A disconnect cancels the request's task; cancellation closes
+the upstream response (the engine sees the connection drop and aborts the request) and ``finally``
+blocks end the ticket, so the ledger always returns to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from sidecar.admission.controller import Admission, Handle, Outcome
+from sidecar.core.decision import Action
+from sidecar.core.demand import Demand
+from sidecar.http.access_log import ACCESS_NOTE
+from sidecar.http.answers import (
+    Response,
+    error_response,
+    invalid_request,
+    json_response,
+    rejection_response,
+    send_response,
+)
+from sidecar.http.asgi import Receive, Scope, Send
+from sidecar.http.engine_client import UpstreamClient
+from sidecar.http.hosts import json_body_refusal
+from sidecar.http.server import DISCONNECT_WATCH
+from sidecar.intake.body import BadRequest, GenerationRequest, parse_generation
+from sidecar.intake.demand import demand_of
+from sidecar.intake.tokens import PromptCounter, TokenCount
+from sidecar.policy.engine_routes import Route
+
+log = logging.getLogger("sidecar.http.proxy")
+
+# RFC 9110 §7.6.1 plus the RFC 2616 list; headers named in `Connection` are dropped too.
+HOP_BY_HOP = frozenset(
+    b"connection keep-alive proxy-connection te trailer trailers transfer-encoding upgrade "
+    b"proxy-authenticate proxy-authorization".split()
+)
+_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
+_DROP_REQUEST_KEEP_LENGTH = _DROP_REQUEST - {b"content-length"}
+# uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
+_DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
+PARSE_IN_THREAD_BYTES = 256 * 1024
+# A client's X-Request-Id is kept when it looks like an id (what routers and SDKs send); anything else
+# is replaced, so a header cannot smuggle text into logs.
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:@/+=-]{1,128}$")
+# Its own generator, seeded from the OS at import: request ids do not follow anyone's `random.seed`.
+_random_bits = random.Random().getrandbits
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was complete."""
+
+
+def make_session(
+    max_connections: int,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    *,
+    upstream: str | None = None,
+    client: str = "lean",
+) -> aiohttp.ClientSession | UpstreamClient:
+    """One session for the process, created inside the running loop (the app's lifespan).
+
+    ``client="lean"`` (the default): ``sidecar/http/engine_client.py``'s client for ``upstream``, which raises
+    aiohttp's exception classes, so the error mapping below holds for both. It speaks plain HTTP/1.1
+    only: an ``https://`` engine (or no ``upstream`` given) gets aiohttp's session."""
+    if client == "lean" and upstream is not None and upstream.startswith("http://"):
+        return UpstreamClient(
+            upstream,
+            max_connections=max_connections,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            keepalive_s=4.0,  # as the connector's below: under uvicorn's 5 s keep-alive
+        )
+    connector = aiohttp.TCPConnector(
+        limit=max_connections,
+        limit_per_host=0,
+        # Below uvicorn's 5 s keep-alive, so we never reuse a connection the engine is closing.
+        keepalive_timeout=4.0,
+        enable_cleanup_closed=True,
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        cookie_jar=aiohttp.DummyCookieJar(),  # never share one user's cookies with another
+        trust_env=False,  # no HTTP(S)_PROXY detour for a loopback engine
+        auto_decompress=False,  # relay bytes as sent; content-encoding passes through unchanged
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    )
+
+
+class Proxy:
+    """Forwards every request to the engine; gated paths pass the admission controller first."""
+
+    def __init__(
+        self,
+        upstream: str,
+        admission: Admission,
+        counter: PromptCounter,
+        *,
+        on_first_byte: Callable[[float], None] = lambda seconds: None,
+        trust_declared_sizes: bool = False,
+    ) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.on_first_byte = on_first_byte
+        # The emulator's `{"emulator": {"prompt_tokens": N}}` is the client's word about its own size:
+        # honoured only when the sidecar was started for load generation against the emulator.
+        self.trust_declared_sizes = trust_declared_sizes
+        self._origin = _origin(self.upstream)
+        # The engine URL's own path (``http://host:port/prefix``), put before every relayed target.
+        self._prefix = URL(self.upstream).raw_path.rstrip("/").encode("latin-1")
+        self.admission = admission
+        self.counter = counter
+        self.session: aiohttp.ClientSession | UpstreamClient | None = None
+
+    # -- entry ---------------------------------------------------------------------------------------
+
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, gated: bool, route: Route | None = None
+    ) -> None:
+        problem = _header_problem(scope)
+        if problem is None and gated:
+            problem = json_body_refusal(scope["headers"])  # 415: a cross-site form must not spend the lane
+        if problem is not None:
+            if gated:
+                self.admission.open().end(Outcome.BAD_REQUEST)
+                status, headers, payload = problem
+                rid = _client_request_id(scope) or new_request_id()
+                problem = (status, [*headers, _id_header(rid)], payload)
+            await send_response(send, problem)
+            return
+        if not gated:
+            # Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives.
+            try:
+                body = await _PassThroughBody.start(scope, receive)
+            except ClientGone:
+                return
+            work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
+            await _until_disconnect(work, receive, scope, after=body.done)
+            return
+        handle = self.admission.open()
+        sent_id = _client_request_id(scope)
+        try:
+            try:
+                body = _Body(await read_body(scope, receive, self.admission.policy.limits.max_body_bytes))
+            except BadRequest as e:
+                handle.end(Outcome.BAD_REQUEST)
+                rid = sent_id or new_request_id()
+                await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
+                return
+            except ClientGone:
+                return
+            if route is not None:
+                # Forward to the route the engine would serve, not to a variant it would redirect.
+                scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
+            await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive, scope)
+        finally:
+            # Whatever path was taken, the handle has ended: this is the backstop for a client that
+            # left before the work started (ClientGone, or a cancellation before its first step).
+            handle.end(Outcome.CLIENT_GONE)
+
+    # -- gated ---------------------------------------------------------------------------------------
+
+    async def _gated(
+        self,
+        scope: Scope,
+        body: _Body,
+        send: Send,
+        handle: Handle,
+        route: Route | None = None,
+        sent_id: str | None = None,
+    ) -> None:
+        try:
+            await self._admit_and_forward(scope, body, send, handle, route, sent_id)
+        except asyncio.CancelledError:
+            if handle.outcome is Outcome.PREFILL_OVERRUN and _overrun_cancel():
+                # The in-flight guard stopped it before its first byte (core/overrun.py): the upstream
+                # request was cancelled with this task (the engine aborts it as the connection closes),
+                # and the client, who has seen nothing yet, gets the gate's answer.
+                assert handle.decision is not None and handle.demand is not None
+                answers = self.admission.policy.answers
+                await send_response(
+                    send, rejection_response(handle.decision, handle.demand, handle.waited_s, answers)
+                )
+                return
+            handle.end(Outcome.CLIENT_GONE)  # held, waiting for headers, or mid-stream
+            raise
+        except BaseException:
+            handle.end(Outcome.UPSTREAM_ERROR)
+            raise
+
+    async def _admit_and_forward(
+        self, scope: Scope, body: _Body, send: Send, handle: Handle, route: Route | None, sent_id: str | None
+    ) -> None:
+        admitted = await self._decide(scope, body.data, send, handle, route, sent_id)
+        if admitted is not None:
+            task = asyncio.current_task()
+            assert task is not None
+            handle.on_overrun(lambda h: task.cancel(_OVERRUN))
+            # The parsed request, its count and demand died with _decide's frame; a large body's raw
+            # bytes go once they are written to the engine, not after the minutes a stream takes.
+            extra, forward = admitted
+            await self._forward(scope, body.payload(), send, handle, extra, length=len(body), **forward)
+
+    async def _decide(
+        self,
+        scope: Scope,
+        body: bytes | bytearray,
+        send: Send,
+        handle: Handle,
+        route: Route | None,
+        sent_id: str | None,
+    ) -> tuple[list[tuple[bytes, bytes]], dict[str, Any]] | None:
+        """Parse, count, decide: the admit headers and _forward's options, or None once answered here."""
+        a = self.admission
+        parse = functools.partial(
+            parse_generation,
+            scope["path"],
+            body,
+            _headers_dict(scope),
+            max_body_bytes=a.policy.limits.max_body_bytes,
+            accept_emulator=self.trust_declared_sizes,
+            priority=a.policy.priority.bounds,
+            shape=route.shape if route is not None and route.shape else None,
+        )
+        try:
+            # A 500K-token prompt is MBs of JSON (tens of ms to decode): off the loop, so other requests
+            # and the pollers do not wait behind it. Small bodies are cheaper parsed in place.
+            req = await asyncio.to_thread(parse) if len(body) > PARSE_IN_THREAD_BYTES else parse()
+        except BadRequest as e:
+            handle.end(Outcome.BAD_REQUEST)
+            rid = sent_id or new_request_id()
+            await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
+            return None
+        # Kept if the client (or a router) sent one; else SGLang's own `rid`; else a fresh one.
+        rid = sent_id or _usable_request_id(req.rid) or new_request_id()
+        count = await self.counter.count(req, admits=self._admits_now(req))
+        demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=rid)
+        if not await _acquire(handle, demand):
+            assert handle.decision is not None
+            answer = rejection_response(handle.decision, demand, handle.waited_s, a.policy.answers)
+            await send_response(send, answer)
+            return None
+        extra = [
+            _id_header(rid),
+            (b"x-admission-decision", b"admit"),
+            (b"x-admission-wait-ms", str(round(handle.waited_s * 1000)).encode()),
+        ]
+        if handle.shadow_reject is not None:
+            d = handle.shadow_reject
+            extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
+            extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
+        return extra, {"request_id": None if sent_id else rid, "measured": req.stream}
+
+    def _admits_now(self, req: GenerationRequest) -> Callable[[TokenCount], bool]:
+        """Would ``req`` be admitted now at this count? The counter tokenizes only when the answer is no."""
+
+        def admits(count: TokenCount) -> bool:
+            a = self.admission
+            return a.evaluate(demand_of(a.rules, a.snapshot, req, count, now=a.clock.now())).admitted
+
+        return admits
+
+    # -- forwarding ----------------------------------------------------------------------------------
+
+    async def _forward(
+        self,
+        scope: Scope,
+        body: Any,
+        send: Send,
+        handle: Handle | None,
+        extra_headers: list[tuple[bytes, bytes]],
+        *,
+        keep_length: bool = False,
+        length: int | None = None,
+        request_id: str | None = None,
+        measured: bool = False,
+    ) -> None:
+        """Relay to the engine. ``body``: bytes, or an async iterator of them (then ``keep_length``
+        keeps the client's Content-Length, or ``length`` gives ours). ``request_id``: an id the sidecar
+        chose, sent on as ``X-Request-Id`` (one the client sent goes with its other headers).
+        ``measured``: a stream, whose first byte is its prefill's end (it times the lane's prefill rate)."""
+        session = self.session
+        assert session is not None, "proxy used outside the app's lifespan"
+        outcome = Outcome.UPSTREAM_ERROR
+        started = False
+        forwarded_at = time.monotonic()
+        sized = length is not None and not isinstance(body, bytes | bytearray)
+        target: Any
+        req_headers: Any
+        if session.__class__ is UpstreamClient:
+            # The lean client takes the request's own bytes: target and headers relayed as received,
+            # nothing decoded to str and encoded back, no URL object.
+            target = self._prefix + scope["raw_path"]
+            if scope.get("query_string"):
+                target += b"?" + scope["query_string"]
+            req_headers = _request_header_bytes(scope, keep_length)
+            if request_id is not None:
+                req_headers.append((b"x-request-id", request_id.encode("latin-1")))
+            if sized:
+                req_headers.append((b"content-length", b"%d" % length))
+        else:
+            url = self.upstream + scope["raw_path"].decode("latin-1")
+            if scope.get("query_string"):
+                url += "?" + scope["query_string"].decode("latin-1")
+            target = URL(url, encoded=True)  # relay the path and query byte for byte, no re-quoting
+            req_headers = _request_headers(scope, keep_length=keep_length)
+            if request_id is not None:
+                req_headers["X-Request-Id"] = request_id
+            if sized:
+                req_headers["Content-Length"] = str(length)
+        try:
+            async with session.request(
+                scope["method"], target, data=body or None, headers=req_headers, allow_redirects=False
+            ) as resp:
+                note = scope.get(ACCESS_NOTE)
+                if note is not None:
+                    note["upstream_status"] = resp.status  # for the access log
+                headers = _response_headers(resp.raw_headers, self._origin)
+                if handle is not None:
+                    # Ours names this request in the decision log; an engine's echo would duplicate it.
+                    headers = [h for h in headers if h[0] != b"x-request-id"]
+                headers += extra_headers
+                start = {"type": "http.response.start", "status": resp.status, "headers": headers}
+                if handle is None:
+                    await send(start)
+                    started = True
+                # The chunks skip the access log's wrapper (it is told their total at the end).
+                send_chunk = note.get("raw_send", send) if note is not None else send
+                chunks = resp.content.iter_any()
+                relayed = 0
+                try:
+                    if handle is not None:
+                        # A gated answer starts at the engine's first body byte (SGLang sends a stream's
+                        # headers before its prefill): until then the in-flight guard may still turn
+                        # it into a clean 503 (core/overrun.py).
+                        async for chunk in chunks:
+                            handle.prefill_done(measured and resp.status == 200)
+                            self.on_first_byte(time.monotonic() - forwarded_at)
+                            relayed += len(chunk)
+                            await send(start)
+                            started = True
+                            await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
+                            break
+                        if not started:
+                            await send(start)
+                            started = True
+                    async for chunk in chunks:
+                        relayed += len(chunk)
+                        await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
+                finally:
+                    if note is not None:
+                        note["body_bytes"] = note.get("body_bytes", 0) + relayed
+                await send({"type": "http.response.body", "body": b""})
+                outcome = Outcome.COMPLETED
+        except asyncio.CancelledError:
+            outcome = Outcome.CLIENT_GONE
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:
+            if not started:
+                status, headers, payload = _upstream_error(e, self.upstream)
+                await send_response(send, (status, headers + extra_headers, payload))
+            else:
+                # Headers are gone; the only honest signal left is to break the connection, so the
+                # client does not mistake a truncated stream for a complete one.
+                log.warning("upstream broke mid-response on %s: %s", scope["path"], e)
+                raise UpstreamBroke(str(e)) from None
+        finally:
+            if handle is not None:
+                handle.end(outcome)
+
+
+async def _acquire(handle: Handle, demand: Demand) -> bool:
+    """Submit and, when held, wait for the gate's answer; True when admitted.
+
+    A client that leaves while held cancels this task, and the caller ends the handle with
+    ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or a
+    release pumped the queue before this task woke), or leaves the queue if not.
+    """
+    answered: asyncio.Future[None] | None = None
+
+    def on_done(h: Handle) -> None:
+        if answered is not None and not answered.done():
+            answered.set_result(None)
+
+    # Nothing can answer a held handle between `submit` and the future's creation (no await between):
+    # the future is made only for the few requests that wait.
+    if handle.submit(demand, on_done) is Action.HOLD:
+        answered = asyncio.get_running_loop().create_future()
+        await answered
+    return handle.admitted
+
+
+# The cancellation message of a request the in-flight guard stopped (Handle.on_overrun): for whoever
+# reads a traceback of the task. ``_gated`` decides by the handle's outcome, not by this message (of two
+# cancellations, the client's and the guard's, only one message survives).
+_OVERRUN = "prefill_overrun"
+
+
+def _overrun_cancel() -> bool:
+    """This task was cancelled by the guard's abort of its request alone (not also by the client leaving
+    or a shutdown): take that cancellation back, so the task can still answer."""
+    task = asyncio.current_task()
+    assert task is not None
+    return task.uncancel() == 0
+
+
+class UpstreamBroke(Exception):
+    """Raised after the response started, so that the server drops the client connection."""
+
+
+def _upstream_error(e: BaseException, upstream: str) -> tuple[int, list, bytes]:
+    """The client's answer names no address: the engine's URL is for the operator's log (this line),
+    not for a client that could then go around the gate (SECURITY.md)."""
+    log.warning("engine at %s: %s: %s", upstream, type(e).__name__, e)
+    if isinstance(e, aiohttp.ClientConnectorError):
+        why = e.os_error.strerror if e.os_error is not None and e.os_error.strerror else "cannot connect"
+        return error_response(
+            503,
+            f"The engine is unreachable ({why.lower()}).",
+            "engine_unavailable",
+            headers=[(b"retry-after", b"5")],
+        )
+    if isinstance(e, TimeoutError | aiohttp.ServerTimeoutError):
+        return error_response(504, "The engine sent no data within the read timeout.", "upstream_timeout")
+    return error_response(502, f"The engine's answer broke off ({type(e).__name__}).", "upstream_error")
+
+
+async def read_body(
+    scope: Scope, receive: Receive, limit: int, source: str | None = None
+) -> bytes | bytearray:
+    """The whole body, refused (413) by its Content-Length or as soon as the bytes read pass ``limit``:
+    never buffered beyond it. ``source`` names the limit in the message."""
+    where = {"source": source} if source else {}
+    for k, v in scope["headers"]:
+        if k == b"content-length" and v.isdigit() and int(v) > limit:
+            raise BadRequest.body_too_large(int(v), limit, **where)
+    # One growing buffer, not a list of chunks joined at the end (the join held every byte twice).
+    # Not sized from Content-Length up front: a client could then make us allocate 32 MB by saying so.
+    buf = bytearray()
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = msg.get("body", b"")
+        more = msg.get("more_body", False)
+        if not buf and not more:
+            if len(chunk) > limit:
+                raise BadRequest.body_too_large(len(chunk), limit, at_least=True, **where)
+            return chunk  # the whole body in one message (every small request): no copy at all
+        buf += chunk
+        if len(buf) > limit:
+            raise BadRequest.body_too_large(len(buf), limit, at_least=True, **where)
+        if not more:
+            return buf
+
+
+class _Body:
+    """A gated request's body, held once: the parser reads ``data``; :meth:`payload` hands a large one
+    to the upstream client as a one-shot iterator that lets go of it as soon as it has been written
+    (aiohttp would keep a bytes payload referenced until the response ends: 3.6 MB per in-flight
+    500K-id stream, for minutes; issue #12)."""
+
+    __slots__ = ("data", "size")
+    # Below this, a plain bytes payload (aiohttp's fastest path) and the few KB it keeps are cheaper.
+    STREAM_FROM = 64 * 1024
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data: bytes | bytearray | None = data
+        self.size = len(data)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def payload(self) -> Any:
+        if self.size < self.STREAM_FROM:
+            return self.data
+        return self._drain()
+
+    async def _drain(self) -> Any:
+        data, self.data = self.data, None
+        assert data is not None, "a gated body is forwarded once"
+        yield memoryview(data)  # a view: aiohttp's slice to Content-Length copies nothing
+        del data
+
+
+class _PassThroughBody:
+    """A pass-through request's body: read at once when small, else relayed to the engine as it arrives.
+
+    ``done`` (a streamed body only; None when the body was read whole) is set once the body has been
+    read: only then may the disconnect listener take over ``receive`` (two readers of one ASGI channel
+    would steal each other's messages).
+    """
+
+    INLINE_LIMIT = 1 << 20
+
+    def __init__(self, data: Any, streaming: bool) -> None:
+        self.data = data
+        self.streaming = streaming
+        self.done: asyncio.Event | None = asyncio.Event() if streaming else None
+
+    @classmethod
+    async def start(cls, scope: Scope, receive: Receive) -> _PassThroughBody:
+        length = None
+        chunked = False
+        for k, v in scope["headers"]:  # one pass over the headers
+            if k == b"content-length":
+                length = v
+            elif k == b"transfer-encoding":
+                chunked = True
+        if not chunked and (length is None or (length.isdigit() and int(length) <= cls.INLINE_LIMIT)):
+            msg = await receive()
+            if not msg.get("more_body"):  # every small request: one message, no list, no join
+                if msg["type"] == "http.disconnect":
+                    raise ClientGone
+                return cls(msg.get("body", b""), streaming=False)
+            parts = [msg.get("body", b"")]
+            while msg.get("more_body"):
+                msg = await receive()
+                parts.append(msg.get("body", b""))
+            if msg["type"] == "http.disconnect":
+                raise ClientGone
+            return cls(b"".join(parts), streaming=False)
+        body = cls(None, streaming=True)
+        body.data = body._relay(receive)
+        return body
+
+    async def _relay(self, receive: Receive) -> Any:
+        try:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise ClientGone
+                if chunk := msg.get("body", b""):
+                    yield chunk
+                if not msg.get("more_body", False):
+                    return
+        finally:
+            assert self.done is not None
+            self.done.set()
+
+
+async def _until_disconnect(
+    work: Awaitable[None], receive: Receive, scope: Scope, after: asyncio.Event | None = None
+) -> None:
+    """Run ``work`` in this task; if the client disconnects first, cancel it (its finally blocks do the
+    cleanup) and return.
+
+    ``after``: start listening only once this is set (the request body is still being read).
+    The work runs in the caller's own task. The client's going is learnt from the server's own
+    connection (``serving.DISCONNECT_WATCH``: a callback from its ``connection_lost``) when it offers
+    that and the body has been read; otherwise one listener task watches ``receive``. No task per
+    request then, no ``asyncio.wait`` and no extra loop turn before the work starts (all were on every
+    request's path; issue #12). Awaited in place, the work has started before anything can cancel it,
+    so its own cleanup always runs.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+    watch = scope.get(DISCONNECT_WATCH) if after is None else None
+    if watch is not None:
+
+        def on_lost() -> None:
+            nonlocal gone
+            gone = True
+            task.cancel()
+
+        watch.watch_disconnect(on_lost)
+        try:
+            await work
+        except asyncio.CancelledError:
+            if gone and task.uncancel() == 0:
+                return
+            raise
+        finally:
+            watch.unwatch_disconnect(on_lost)
+        return
+
+    async def listen() -> None:
+        nonlocal gone
+        if after is not None:
+            await after.wait()
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                gone = True
+                task.cancel()
+                return
+
+    listener = asyncio.get_running_loop().create_task(listen())
+    try:
+        await work
+    except asyncio.CancelledError:
+        # Ours (the client left) unless someone else cancelled this task too (a shutdown): theirs goes on.
+        if gone and task.uncancel() == 0:
+            return
+        raise
+    finally:
+        listener.cancel()
+
+
+def new_request_id() -> str:
+    """32 random hex digits, like a uuid4's: an id for logs, not a secret, so the process's seeded PRNG
+    serves (``uuid.uuid4`` costs a system call and an object per request)."""
+    return f"{_random_bits(128):032x}"
+
+
+def _client_request_id(scope: Scope) -> str | None:
+    for k, v in scope["headers"]:
+        if k == b"x-request-id":
+            return v.decode("latin-1") if _REQUEST_ID.match(v) else None
+    return None
+
+
+def _usable_request_id(rid: str | None) -> str | None:
+    """A body's ``rid`` as the answer's ``X-Request-ID`` only when it is a valid header value: any JSON
+    string can be a rid (``"é"``, a newline), and an invalid header value fails the whole answer."""
+    if rid is None or not _REQUEST_ID.match(rid.encode("utf-8", "replace")):
+        return None
+    return rid
+
+
+def _id_header(rid: str) -> tuple[bytes, bytes]:
+    return (b"x-request-id", rid.encode("latin-1"))
+
+
+_DECODED = "sidecar.decoded_headers"
+
+
+def _decoded(scope: Scope) -> list[tuple[bytes, str, str]]:
+    """The request's headers decoded once per request (the parser and the forwarder both read them).
+
+    Values as UTF-8: aiohttp writes header strings as UTF-8, so this relays the client's bytes
+    unchanged (latin-1 turned `café` into `cafÃ©`); `_header_problem` has refused non-UTF-8 values.
+    """
+    decoded = scope.get(_DECODED)
+    if decoded is None:
+        decoded = scope[_DECODED] = [(k, k.decode("latin-1"), v.decode("utf-8")) for k, v in scope["headers"]]
+    return decoded
+
+
+def _headers_dict(scope: Scope) -> dict[str, str]:
+    return {k: v for _, k, v in _decoded(scope)}
+
+
+def _request_header_bytes(scope: Scope, keep_length: bool) -> list[tuple[bytes, bytes]]:
+    """:func:`_request_headers` as the client sent them, for the lean client (which writes bytes)."""
+    drop = _DROP_REQUEST_KEEP_LENGTH if keep_length else _DROP_REQUEST
+    raw = scope["headers"]
+    if any(k == b"connection" for k, _ in raw):
+        drop = drop | _connection_named(raw)
+    return [h for h in raw if h[0] not in drop]
+
+
+def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[str]:
+    """End-to-end headers only. ``keep_length``: a relayed body keeps the client's Content-Length."""
+    drop = _DROP_REQUEST_KEEP_LENGTH if keep_length else _DROP_REQUEST
+    raw = scope["headers"]
+    # ASGI header names are lower-case; the `Connection` options are parsed only when one is sent.
+    if any(k == b"connection" for k, _ in raw):
+        drop = drop | _connection_named(raw)
+    return CIMultiDict([(k, v) for name, k, v in _decoded(scope) if name not in drop])
+
+
+def _header_problem(scope: Scope) -> Response | None:
+    """A 400 for a header value that is not UTF-8: the upstream client can only send UTF-8 header text,
+    so such bytes could not be relayed unchanged (they would be dropped or re-encoded)."""
+    for k, v in scope["headers"]:
+        if v.isascii():
+            continue
+        try:
+            v.decode("utf-8")
+        except UnicodeDecodeError:
+            name = k.decode("latin-1")
+            return error_response(
+                400,
+                f'header "{name}" has bytes that are not UTF-8; the sidecar relays header bytes '
+                "unchanged and cannot relay these",
+                "invalid_header",
+            )
+    return None
+
+
+def _response_headers(raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b"") -> list[tuple[bytes, bytes]]:
+    out = []
+    connection = False
+    for k, v in raw:
+        k = k.lower()
+        if k in _DROP_RESPONSE:
+            connection = connection or k == b"connection"
+            continue
+        if k in _LOCATION_HEADERS and origin:
+            v = _local_location(v, origin)
+        out.append((k, v))
+    if connection:  # rare: drop what its options name too (one pass for everyone else)
+        named = _connection_named(raw)
+        out = [h for h in out if h[0] not in named]
+    return out
+
+
+_LOCATION_HEADERS = frozenset({b"location", b"content-location"})
+
+
+def _origin(upstream: str) -> bytes:
+    """``scheme://host:port`` of the engine, lower-cased, as it appears at the start of its redirects."""
+    u = URL(upstream)
+    return f"{u.scheme}://{u.raw_host}:{u.port}".lower().encode() if u.host else b""
+
+
+def _local_location(value: bytes, origin: bytes) -> bytes:
+    """A redirect to the engine's own address, made relative so the client stays behind the gate.
+
+    FastAPI answers ``/generate/`` with ``307 Location: http://<engine>/generate``: relayed as is, it
+    tells any client where the ungated engine listens and sends it there.
+    """
+    lowered = value.lower()
+    scheme, _, rest = origin.partition(b"://")
+    host, _, port = rest.rpartition(b":")
+    default = (scheme == b"http" and port == b"80") or (scheme == b"https" and port == b"443")
+    for prefix in (origin, scheme + b"://" + host) if default else (origin,):
+        if lowered.startswith(prefix) and lowered[len(prefix) : len(prefix) + 1] in (b"", b"/", b"?", b"#"):
+            return value[len(prefix) :] or b"/"
+    if lowered.startswith(b"//" + rest):  # scheme-relative
+        return value[len(rest) + 2 :] or b"/"
+    return value
+
+
+def _connection_named(headers: Any) -> frozenset[bytes]:
+    """Options named in every `Connection` header (a list header: it may appear more than once)."""
+    return frozenset(
+        t.strip().lower() for k, v in headers if k.lower() == b"connection" for t in v.split(b",")
+    )

@@ -1,0 +1,534 @@
+"""The sidecar's own telemetry: Prometheus metrics and one JSON log line per decision.
+
+Counters for every (decision, reason) and outcome are created once at start-up, so the request path
+only increments a pre-bound child. Gauges that describe state (headroom, ledger, engine, GPU, signal
+ages) are computed at scrape time from the live objects: nothing per request, and an unknown value is
+an absent series, never a 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import IO, TYPE_CHECKING, Any
+
+import orjson
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sidecar import __version__
+from sidecar.admission.controller import Outcome
+from sidecar.core.decide import headroom_bytes
+from sidecar.core.decision import Action, Decision, Reason
+from sidecar.core.demand import Demand
+from sidecar.core.ledger import LedgerTotals
+from sidecar.http.answers import decision_fields
+from sidecar.ops import logs
+from sidecar.ops.router_view import fit_prompt_tokens
+from sidecar.policy.schema import Policy
+
+if TYPE_CHECKING:
+    from sidecar.admission.controller import Admission
+
+PREFIX = "sglang_sidecar_"
+HOLD_BUCKETS = (0.005, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# A long prefill runs for minutes before its first token (a 500K-token prompt on one GPU).
+FIRST_BYTE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+# What a request can be held for: the constraints and the signals (``on_stale``/``on_exceed: hold``).
+# queue_full, hold_timeout, unfit_request and draining only ever reject.
+HOLD_REASONS = tuple(
+    r
+    for r in Reason
+    if r
+    not in (
+        Reason.QUEUE_FULL,
+        Reason.HOLD_TIMEOUT,
+        Reason.UNFIT_REQUEST,
+        Reason.DRAINING,
+        Reason.PREFILL_OVERRUN,
+    )
+)
+
+log = logging.getLogger("sidecar.decision")
+
+
+class LineWriter:
+    """Writes lines on its own thread, so the event loop never waits on a disk or a full pipe.
+
+    Bounded: if the writer falls ``max_pending`` lines behind, new lines are dropped and counted
+    (``decision_log_dropped_total``) rather than growing memory or blocking requests.
+
+    Cheap per line: ``put`` is a deque append (atomic under the GIL); the writer is woken only when a
+    line lands in an empty buffer, and waits ``batch_s`` after each write so that lines arriving
+    meanwhile go out together. A ``queue.Queue`` here cost a lock and a thread wake-up per decision,
+    ~15 % of the sidecar's CPU on small requests at saturation (py-spy, issue #12).
+    """
+
+    def __init__(self, stream: IO[str], max_pending: int = 100_000, batch_s: float = 0.02) -> None:
+        self.stream = stream
+        self.dropped = 0
+        self._max_pending = max_pending
+        self._batch_s = batch_s
+        self._lines: collections.deque[str] = collections.deque()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="decision-log", daemon=True)
+        self._thread.start()
+
+    def put(self, line: str) -> None:
+        if len(self._lines) >= self._max_pending:
+            self.dropped += 1
+            return
+        was_empty = not self._lines
+        self._lines.append(line)
+        if was_empty:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            batch: list[str] = []
+            while self._lines:
+                batch.append(self._lines.popleft())
+            if batch:
+                try:
+                    self.stream.write("\n".join(batch) + "\n")
+                    self.stream.flush()
+                except (OSError, ValueError):
+                    self.dropped += len(batch)
+            if self._closing and not self._lines:
+                return
+            time.sleep(self._batch_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued, then stop."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+
+class Telemetry:
+    """Implements the admission Observer: counts decisions and outcomes, writes the decision log.
+
+    Counters sum to what they name. ``decisions_total`` counts one *final* decision per gated request
+    that got one (admit, or reject with its reason); a hold is not final, so a request that was held
+    is counted once more, at the moment it is parked, in ``held_total{reason}``. ``hold_seconds``
+    observes every final decision's wait (0 when decided at once), so its ``_count`` equals the sum of
+    ``decisions_total``. In shadow mode a request that enforcement would have held is forwarded at
+    once: it is counted in ``held_total`` and as an admit after a 0 s hold.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        decision_log: IO[str] | None = None,
+        *,
+        shadow: bool = False,
+    ) -> None:
+        self.registry = registry
+        self.shadow = shadow
+        decisions = Counter(
+            PREFIX + "decisions",
+            "Final admission decisions, one per gated request that got one: admit, or reject by reason",
+            ["decision", "reason"],
+            registry=registry,
+        )
+        # Only the pairs that can happen exist: an admit has no reason, a reject always has one.
+        self._admits = decisions.labels(Action.ADMIT.value, "none")
+        # A guard abort (prefill_overrun) follows the request's admit: not a second final decision.
+        self._rejects = {
+            r: decisions.labels(Action.REJECT.value, r.value)
+            for r in Reason
+            if r is not Reason.PREFILL_OVERRUN
+        }
+        held = Counter(
+            PREFIX + "held",
+            "Gated requests parked in the hold queue, by the reason they were held (whatever came next)",
+            ["reason"],
+            registry=registry,
+        )
+        self._held = {r: held.labels(r.value) for r in HOLD_REASONS}
+        requests = Counter(
+            PREFIX + "requests",
+            "Gated requests by how they ended, one per request",
+            ["outcome"],
+            registry=registry,
+        )
+        self._outcomes = {o: requests.labels(o.value) for o in Outcome}
+        self._hold = Histogram(
+            PREFIX + "hold_seconds",
+            "Time from arrival to the final decision (0 for a request decided at once)",
+            buckets=HOLD_BUCKETS,
+            registry=registry,
+        )
+        self._first_byte = Histogram(
+            PREFIX + "upstream_first_byte_seconds",
+            "Time from forwarding an admitted request to the upstream's first body byte "
+            "(for a stream, about the time to first token)",
+            buckets=FIRST_BYTE_BUCKETS,
+            registry=registry,
+        )
+        reloads = Counter(
+            PREFIX + "policy_reloads",
+            "Policy reload attempts (SIGHUP or upload) by result: applied or refused",
+            ["result"],
+            registry=registry,
+        )
+        self._reloads = {ok: reloads.labels("applied" if ok else "refused") for ok in (True, False)}
+        self._reload_ok = Gauge(
+            PREFIX + "policy_last_reload_successful",
+            "0 when the last policy reload attempt was refused (the previous policy stays), else 1",
+            registry=registry,
+        )
+        self._reload_ok.set(1)
+        self._implausible = Counter(
+            PREFIX + "implausible_values",
+            "Readings refused because a value could not be true (NaN, negative, absurdly large), "
+            "by signal and the series that carried it; each refused reading is a failed read",
+            ["signal", "series"],
+            registry=registry,
+        )
+        self._writer = LineWriter(decision_log) if decision_log is not None else None
+        self.context: Callable[[], dict[str, Any]] = dict
+
+    def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
+        if d.action is Action.HOLD:
+            # A hold always names what it waits for; a reason-less hold would be a core bug, counted
+            # under the strict-order wait it most likely is rather than dropped.
+            self._held[d.reason if d.reason in self._held else Reason.VRAM_HEADROOM].inc()
+            if self.shadow:
+                self._admits.inc()
+                self._hold.observe(0.0)
+        elif d.action is Action.ADMIT:
+            self._admits.inc()
+            self._hold.observe(waited_s)
+        elif d.reason is Reason.PREFILL_OVERRUN:
+            # The in-flight guard aborted an admitted request (it was counted as an admit, and its
+            # outcome is `prefill_overrun`): the decision log records this second verdict, and an
+            # operator should hear of it (the lane ran out of room under a request it had admitted).
+            check = d.checks[-1] if d.checks else None
+            log.warning(
+                "prefill overrun: %s stopped before its peak: %s",
+                cost.request_id,
+                check.note if check else "",
+                extra={"fields": {"event": "prefill_overrun", "request_id": cost.request_id}},
+            )
+        else:
+            self._rejects[d.reason or Reason.UNFIT_REQUEST].inc()
+            self._hold.observe(waited_s)
+        # The record is built only when something writes it.
+        if self._writer is not None:
+            fields = decision_record(d, cost, waited_s, ledger, self.context())
+            self._writer.put(_line(fields))
+        elif log.isEnabledFor(logging.INFO):
+            # Through the process's log pipeline (sidecar.ops.logs): its format, its bounded queue.
+            fields = decision_record(d, cost, waited_s, ledger, self.context())
+            log.info("decision %s", d.action.value, extra={"fields": fields})
+
+    def first_byte(self, seconds: float) -> None:
+        """The upstream's first body byte for an admitted request arrived ``seconds`` after forwarding."""
+        self._first_byte.observe(seconds)
+
+    def implausible(self, signal: str, series: str) -> None:
+        """A reading of ``signal`` was refused because ``series`` held a value that cannot be true."""
+        self._implausible.labels(signal, series).inc()
+
+    def policy_reload(self, applied: bool) -> None:
+        """One reload attempt, from either path (SIGHUP or ``POST /admission/policy``)."""
+        self._reloads[applied].inc()
+        self._reload_ok.set(1 if applied else 0)
+
+    @property
+    def dropped_log_lines(self) -> int:
+        return self._writer.dropped if self._writer is not None else 0
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def outcome(self, outcome: Outcome) -> None:
+        self._outcomes[outcome].inc()
+
+
+def register_process_metrics(registry: CollectorRegistry) -> None:
+    """``process_*`` (CPU, memory, file descriptors), ``python_info``, ``python_gc_*`` and
+    ``sglang_sidecar_build_info{version}``: what tells a restart, a leak or an upgrade apart."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    info = Gauge(
+        PREFIX + "build_info", "The running sidecar's version; always 1", ["version"], registry=registry
+    )
+    info.labels(sidecar_version()).set(1)
+
+
+def sidecar_version() -> str:
+    return __version__
+
+
+def _line(fields: dict[str, Any]) -> str:
+    """One compact JSON line: orjson (~10x the standard encoder on this per-decision record; issue
+    #12's profile had `json.dumps` at ~5 % of a gated request's CPU), the standard one for what orjson
+    refuses (an integer past 64 bits, say)."""
+    try:
+        return orjson.dumps(fields).decode()
+    except TypeError:
+        return json.dumps(fields, separators=(",", ":"))
+
+
+def decision_record(
+    d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
+) -> dict[str, Any]:
+    """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back."""
+    rec: dict[str, Any] = {"ts": round(time.time(), 3), "event": "decision"}
+    rec |= decision_fields(d, cost)
+    rec["waited_s"] = round(waited_s, 4)
+    rec["ledger"] = {
+        "requests": ledger.requests,
+        "prefill_tokens": ledger.prefill_tokens,
+        "projected_bytes": ledger.projected_bytes,
+    }
+    rec.update(context)
+    return rec
+
+
+class StateCollector(Collector):
+    """Gauges read from the admission controller at scrape time."""
+
+    def __init__(
+        self,
+        admission: Admission,
+        clock: Callable[[], float],
+        gate_open: Callable[[], bool],
+        dropped_log_lines: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.admission = admission
+        self.clock = clock
+        self.gate_open = gate_open
+        self.dropped_log_lines = dropped_log_lines
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        a, now = self.admission, self.clock()
+        snap, ledger = a.snapshot, a.ledger.totals
+
+        def gauge(name: str, doc: str, value: float | None, **labels: str) -> Metric | None:
+            if value is None:
+                return None
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
+            g.add_metric(list(labels.values()), float(value))
+            return g
+
+        e, g = snap.engine, snap.gpu
+        metrics = [
+            gauge("held_requests", "Requests waiting in the sidecar's hold queue", a.held),
+            gauge(
+                "gate_open",
+                "1 when a minimal request would be admitted now",
+                1.0 if self.gate_open() else 0.0,
+            ),
+            gauge(
+                "headroom_bytes",
+                "GPU free minus reserve minus ledger projections",
+                headroom_bytes(a.rules, snap, ledger),
+            ),
+            gauge(
+                "projected_bytes",
+                "Bytes the ledger's admitted prefills are projected to allocate",
+                ledger.projected_bytes,
+            ),
+            gauge("ledger_requests", "Forwarded requests whose prefill has not finished", ledger.requests),
+            gauge(
+                "engine_queue_requests", "SGLang waiting queue, last report", e.queue_requests if e else None
+            ),
+            gauge(
+                "engine_running_requests",
+                "SGLang running requests, last report",
+                e.running_requests if e else None,
+            ),
+            gauge("draining", "1 while the sidecar drains for shutdown", 1.0 if a.draining else 0.0),
+            # Routing signals (sidecar/ops/router_view.py), for a router or an endpoint scorer.
+            gauge(
+                "fit_prompt_tokens",
+                "Largest uncached prompt (tokens) the gate would admit at once now; 0 if none",
+                fit_prompt_tokens(a),
+            ),
+            gauge(
+                "oldest_held_wait_seconds",
+                "How long the oldest held request has waited (absent when none is held)",
+                a.oldest_wait_s(),
+            ),
+        ]
+        yield from (m for m in metrics if m is not None)
+
+        usage = GaugeMetricFamily(
+            PREFIX + "engine_token_usage_ratio",
+            "SGLang pool usage per pool (0-1), last report",
+            labels=["pool"],
+        )
+        for pool, v in (
+            ("full", e and e.full_token_usage),
+            ("swa", e and e.swa_token_usage),
+            ("mamba", e and e.mamba_usage),
+        ):
+            if isinstance(v, float | int) and v == v:  # skip None and NaN
+                usage.add_metric([pool], float(v))
+        yield usage
+
+        # Two views of the prefill work ahead: the engine's last report (absent when it does not
+        # report it, e.g. before 0.5.9) and the ledger's (always known, never lags).
+        pending = GaugeMetricFamily(
+            PREFIX + "pending_prefill_tokens", "Prefill tokens waiting, by source", labels=["source"]
+        )
+        if e is not None and e.pending_prefill_tokens is not None:
+            pending.add_metric(["engine"], float(e.pending_prefill_tokens))
+        pending.add_metric(["ledger"], float(ledger.prefill_tokens))
+        yield pending
+
+        free = GaugeMetricFamily(PREFIX + "gpu_free_bytes", "Free memory per GPU", labels=["gpu"])
+        other = GaugeMetricFamily(
+            PREFIX + "gpu_other_process_bytes", "Memory other processes hold per GPU", labels=["gpu"]
+        )
+        for d in g.devices if g else ():
+            free.add_metric([d.ident], float(d.free_bytes))
+            if d.other_process_bytes is not None:
+                other.add_metric([d.ident], float(d.other_process_bytes))
+        yield free
+        yield other
+
+        age = GaugeMetricFamily(
+            PREFIX + "signal_age_seconds", "Age of the last successful read", labels=["signal"]
+        )
+        for name, v in (("engine", snap.engine_age(now)), ("gpu", snap.gpu_age(now))):
+            if v is not None:
+                age.add_metric([name], v)
+        yield age
+
+        fails = GaugeMetricFamily(
+            PREFIX + "signal_consecutive_failures",
+            "Failed reads in a row since the last good one (0 when the last read worked)",
+            labels=["signal"],
+        )
+        fails.add_metric(["engine"], float(snap.engine_health.consecutive_failures))
+        fails.add_metric(["gpu"], float(snap.gpu_health.consecutive_failures))
+        yield fails
+
+        dropped = CounterMetricFamily(
+            PREFIX + "decision_log_dropped", "Decision-log lines dropped because the writer fell behind"
+        )
+        dropped.add_metric([], float(self.dropped_log_lines()))
+        yield dropped
+        pipeline = logs.current()
+        lost = CounterMetricFamily(
+            PREFIX + "log_lines_dropped",
+            "Log lines (any logger, including the decision log on stderr) dropped because the log "
+            "writer fell behind: stderr is slow or not read",
+        )
+        lost.add_metric([], float(pipeline.dropped if pipeline else 0))
+        yield lost
+
+        yield from watch_metrics(a)
+
+        info = GaugeMetricFamily(PREFIX + "policy_info", "The policy in force", labels=["name", "sha256"])
+        info.add_metric([a.policy.name, a.loaded.sha256], 1.0)
+        yield info
+        yield from policy_limits(a.policy)
+
+
+def watch_metrics(a: Admission) -> Iterable[Metric]:
+    """The lane watch (``sidecar/admission/lane_watch.py``): under-predictions seen, the margin and idle figure in
+    force. The worst ratio and the measured idle figure are absent until there is one."""
+    w = a.watch
+    found = CounterMetricFamily(
+        PREFIX + "projection_underestimates",
+        "GPU readings that showed more memory allocated than the ledger projected for what was running "
+        "(one per finding; the same requests' growing prefill counts once)",
+    )
+    found.add_metric([], float(w.underestimates))
+    yield found
+    if w.worst_ratio is not None:
+        worst = GaugeMetricFamily(
+            PREFIX + "projection_underestimate_worst_ratio",
+            "The largest observed/projected allocation ratio since the sidecar started",
+        )
+        worst.add_metric([], w.worst_ratio)
+        yield worst
+    margin = GaugeMetricFamily(
+        PREFIX + "cost_margin",
+        "The cost margin in force: the policy's cost.margin, or higher where the monitor raised it",
+    )
+    margin.add_metric([], float(a.rules.cost.margin))
+    yield margin
+    if w.idle is not None:
+        idle = GaugeMetricFamily(
+            PREFIX + "idle_free_bytes",
+            "GPU free memory the sidecar measured with the engine idle (this engine process)",
+        )
+        idle.add_metric([], float(w.idle.free_bytes))
+        yield idle
+
+
+def policy_limits(p: Policy) -> Iterable[Metric]:
+    """The limits of the policy in force, so dashboards draw them and alerts compare against them
+    without copying numbers out of the YAML (and follow a reload)."""
+
+    def one(name: str, doc: str, value: float, label: str | None = None, **values: float | None) -> Metric:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=[label] if label else [])
+        if label:
+            for k, v in values.items():
+                if v is not None:  # a section the policy does not have: no series
+                    g.add_metric([k], float(v))
+        else:
+            g.add_metric([], float(value))
+        return g
+
+    yield one("policy_cost_margin", "cost.margin: the policy's own margin on every cost term", p.cost.margin)
+    yield one(
+        "policy_reserve_bytes",
+        "vram.reserve_bytes: GPU memory the gate never hands out",
+        p.vram.reserve_bytes,
+    )
+    yield one(
+        "policy_max_usage_ratio",
+        "kv.max_usage and mamba.max_usage: pool usage at or above which the gate holds",
+        0,
+        "pool",
+        full=p.kv.max_usage,
+        mamba=p.mamba.max_usage if p.mamba else None,
+    )
+    yield one("policy_engine_queue_max_requests", "engine_queue.max_requests", p.engine_queue.max_requests)
+    yield one("policy_pending_prefill_max_tokens", "pending_prefill.max_tokens", p.pending_prefill.max_tokens)
+    yield one(
+        "policy_signal_max_age_seconds",
+        "engine.max_age_s and gpu.max_age_s: a signal older than this is stale",
+        0,
+        "signal",
+        engine=p.engine.max_age_s,
+        gpu=p.gpu.max_age_s,
+    )
+    yield one(
+        "policy_hold_max_requests",
+        "hold.max_held: beyond it a request is rejected queue_full",
+        p.hold.max_held,
+    )
+    yield one(
+        "policy_hold_max_wait_seconds",
+        "hold.max_wait_s: a request held longer is rejected hold_timeout",
+        p.hold.max_wait_s,
+    )

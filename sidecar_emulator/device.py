@@ -1,0 +1,168 @@
+"""Device memory for the engine model: modeled arithmetic by default, real CUDA memory on request.
+
+The engine model asks its device for each transient allocation and releases them all when the step
+ends. :class:`ModeledDevice` does this with integers and never touches a GPU. :class:`TorchDevice`
+(``cuda=True``) makes the same calls with ``torch.empty(..., device="cuda")`` so that the crash is
+CUDA's own ``OutOfMemoryError`` and the free memory is what NVML reports; ``torch`` is imported only
+when one is constructed, so CPU-only machines never import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from sidecar_emulator.profiles import GiB, LaneProfile, MiB
+
+
+class OutOfMemory(Exception):
+    """An allocation did not fit. ``message`` is what the engine's log would show."""
+
+    def __init__(self, requested_bytes: int, free_bytes: int, message: str) -> None:
+        super().__init__(message)
+        self.requested_bytes = requested_bytes
+        self.free_bytes = free_bytes
+        self.message = message
+
+
+class Device(Protocol):
+    """What the engine model needs from device memory."""
+
+    total_bytes: int
+
+    def free_bytes(self) -> int:
+        """Free memory as NVML would report it right now."""
+
+    def allocate(self, nbytes: int) -> None:
+        """Allocate a transient for the current step; raise :class:`OutOfMemory` if it does not fit."""
+
+    def release_transients(self) -> None:
+        """The step ended: its transients are freed (a caching allocator may keep them reserved)."""
+
+    def crash(self) -> None:
+        """The engine process died: everything it held is freed."""
+
+    def restart(self) -> None:
+        """The engine process is back: its static allocations are held again."""
+
+
+def oom_message(requested: int, free: int, total_visible: int, process_bytes: int) -> str:
+    """PyTorch's wording, so logs and error strings read like the real crash."""
+    return (
+        f"CUDA out of memory. Tried to allocate {requested / MiB:.2f} MiB. GPU 0 has a total capacity of "
+        f"{total_visible / GiB:.2f} GiB of which {free / MiB:.2f} MiB is free. Including non-PyTorch "
+        f"memory, this process has {process_bytes / GiB:.2f} GiB memory in use."
+    )
+
+
+class ModeledDevice:
+    """Integer bookkeeping of one device shared by the engine and whatever else the profile names."""
+
+    def __init__(self, profile: LaneProfile) -> None:
+        self.profile = profile
+        self.total_bytes = profile.device_total_bytes
+        self._idle_free = profile.idle_free_bytes
+        self.other_process_bytes = profile.other_process_bytes
+        self._live = 0
+        self._cached = 0
+        self._down = False
+
+    def set_other_process_bytes(self, nbytes: int) -> None:
+        """Another process on the card grows or shrinks: it takes or gives back the engine's room."""
+        self._idle_free -= nbytes - self.other_process_bytes
+        self.other_process_bytes = nbytes
+
+    def free_bytes(self) -> int:
+        if self._down:
+            p = self.profile
+            return p.device_total_bytes - p.device_reserved_bytes - self.other_process_bytes
+        held = max(self._live, self._cached) if self.profile.allocator_caches_transients else self._live
+        return self._idle_free - held
+
+    @property
+    def live_transient_bytes(self) -> int:
+        return self._live
+
+    def allocate(self, nbytes: int) -> None:
+        # An out-of-memory retry in PyTorch releases the cache first: only live bytes decide.
+        free = self._idle_free - self._live
+        if nbytes > free:
+            p = self.profile
+            process = p.engine_static_bytes + self._live
+            visible = p.device_total_bytes - p.device_reserved_bytes
+            raise OutOfMemory(nbytes, free, oom_message(nbytes, free, visible, process))
+        self._live += nbytes
+        self._cached = max(self._cached, self._live)
+
+    def release_transients(self) -> None:
+        self._live = 0
+
+    def crash(self) -> None:
+        self._live = 0
+        self._cached = 0
+        self._down = True
+
+    def restart(self) -> None:
+        self._down = False
+
+
+class TorchDevice:
+    """Real device memory through PyTorch (``cuda=True``); needs torch and a CUDA GPU.
+
+    At start it allocates the profile's static memory; when the real card is larger than the profile's,
+    ``fill_to_profile`` adds a ballast so that the real free memory equals the profile's idle free
+    memory, and the same workload runs out of memory at the same point. Free memory is read from the
+    device (``torch.cuda.mem_get_info``, the same number as NVML ``free``).
+    """
+
+    def __init__(self, profile: LaneProfile, *, device_index: int = 0, fill_to_profile: bool = True) -> None:
+        import torch  # lazy: only the cuda mode may import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("cuda=True needs a CUDA GPU visible to PyTorch")
+        self._torch = torch
+        self.profile = profile
+        self._dev = torch.device("cuda", device_index)
+        self._fill = fill_to_profile
+        self._static: list[Any] = []
+        self._transients: list[Any] = []
+        _free, total = torch.cuda.mem_get_info(self._dev)
+        self.total_bytes = int(total)
+        self._allocate_static()
+
+    def _empty(self, nbytes: int) -> Any:
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._dev)
+
+    def _allocate_static(self) -> None:
+        p = self.profile
+        # Pools first (as SGLang does after weights), then weights and graphs as one block each.
+        for nbytes in (p.weights_bytes, p.kv_pool_bytes, p.mamba_pool_bytes, p.cuda_graph_bytes):
+            if nbytes > 0:
+                self._static.append(self._empty(nbytes))
+        if self._fill:
+            free, _total = self._torch.cuda.mem_get_info(self._dev)
+            ballast = int(free) - p.idle_free_bytes
+            if ballast > 0:
+                self._static.append(self._empty(ballast))
+
+    def free_bytes(self) -> int:
+        free, _total = self._torch.cuda.mem_get_info(self._dev)
+        return int(free)
+
+    def allocate(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        try:
+            self._transients.append(self._empty(nbytes))
+        except self._torch.cuda.OutOfMemoryError as exc:  # the real crash
+            raise OutOfMemory(nbytes, self.free_bytes(), str(exc).splitlines()[0]) from exc
+
+    def release_transients(self) -> None:
+        self._transients.clear()  # freed into PyTorch's cache, as in the real engine
+
+    def crash(self) -> None:
+        self._transients.clear()
+        self._static.clear()
+        self._torch.cuda.empty_cache()  # the process is gone: NVML sees its memory free
+
+    def restart(self) -> None:
+        self._allocate_static()
