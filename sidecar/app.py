@@ -195,10 +195,10 @@ class SidecarApp:
         kind = type(self._loop)
         loop_name = f"{kind.__module__}.{kind.__qualname__}"
         log.info("event loop %s", loop_name, extra={"fields": {"event": "event_loop", "loop": loop_name}})
-        policy = self.admission.policy
+        policy, rules = self.admission.policy, self.admission.rules
         if self.gpu_source is not None:
             self.gpu_poller = GpuPoller(
-                self.gpu_source, interval_s=policy.gpu.poll_interval_s, clock=self.clock
+                self.gpu_source, interval_s=rules.gpu.poll_interval_s, clock=self.clock
             )
             # Fail at start-up, loudly, when the configured GPU source cannot be read at all.
             first = await self.gpu_poller.check()
@@ -210,7 +210,7 @@ class SidecarApp:
         self.scraper = EngineScraper(
             self.upstream,
             client=self.control,
-            interval_s=policy.engine.poll_interval_s,
+            interval_s=rules.engine.poll_interval_s,
             clock=self.clock,
             max_metrics_bytes=policy.engine.max_metrics_bytes,
         )
@@ -291,7 +291,7 @@ class SidecarApp:
 
     def _sooner(self) -> Sooner:
         a = self.admission
-        return Sooner(a.report_wanted, lambda: a.policy.engine.poll_after_release_s)
+        return Sooner(a.report_wanted, lambda: a.rules.engine.poll_after_release_s)
 
     def _report_wanted(self) -> None:
         for poller in (self.scraper, self.gpu_poller):
@@ -408,10 +408,10 @@ class SidecarApp:
         self.routes = RouteTable(loaded.policy.gated_paths)
         # Pollers read their interval before each sleep: the new cadence applies from the next poll.
         if self.scraper is not None:
-            self.scraper.interval_s = loaded.policy.engine.poll_interval_s
+            self.scraper.interval_s = self.admission.rules.engine.poll_interval_s
             self.scraper.max_metrics_bytes = loaded.policy.engine.max_metrics_bytes
         if self.gpu_poller is not None:
-            self.gpu_poller.interval_s = loaded.policy.gpu.poll_interval_s
+            self.gpu_poller.interval_s = self.admission.rules.gpu.poll_interval_s
 
 
 # explain and policy uploads are small: a generation body to explain is a question, not a prompt to

@@ -113,3 +113,35 @@ def test_serve_loads_neither_the_emulator_nor_plotting() -> None:
     assert "sidecar.app" in loaded  # the probe reached the serving code
     foreign = [m for m in loaded if m.split(".")[0] in ("sidecar_emulator", "matplotlib")]
     assert foreign == [], f"serve loaded {foreign}"
+
+
+# The pydantic policy and the sections the rules are built from stay inside ``sidecar/policy/``: the
+# shell reads ``core.Rules`` (``policy/in_force.py: rules_in_force``). ``calibrate`` is exempt: it reads a
+# lane's policy to plan its probes and writes a proposed one (a policy tool, not the shell).
+POLICY_MODELS = {
+    "Policy",
+    "Lane",
+    "Cost",
+    "Vram",
+    "Kv",
+    "Mamba",
+    "EngineQueue",
+    "PendingPrefill",
+    "SignalPolicy",
+    "Engine",
+    "Gpu",
+    "Hold",
+    "Monitor",
+    "Guard",
+}
+
+
+def test_nothing_outside_the_policy_package_imports_the_pydantic_policy() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for module, path in _modules()
+        if _layer(module) not in ("policy", "calibrate")
+        for line, name, _ in _imports(path)
+        if name.startswith("sidecar.policy.schema.") and name.rsplit(".", 1)[1] in POLICY_MODELS
+    ]
+    assert found == [], "\n".join(found)

@@ -335,7 +335,7 @@ def _watch_with_progress(**overrides: object) -> tuple[LaneWatch, Rules]:
         **overrides,
     ).policy
     rules = rules_of(p)
-    w = LaneWatch(p)
+    w = LaneWatch(rules)
     w.charged(1, "r1", LedgerTotals(requests=1, running_requests=1), rules.cost, progress=True)
     return w, rules
 

@@ -18,9 +18,9 @@ import pytest
 
 from sidecar.admission.lane_watch import Finding, LaneWatch, _why, excess
 from sidecar.core.ledger import LedgerTotals
-from sidecar.core.rules import Rules
+from sidecar.core.rules import Learned, Rules
 from sidecar.core.snapshot import DeviceMemory, GpuSignals, Snapshot
-from sidecar.policy.in_force import rules_of
+from sidecar.policy.in_force import rules_in_force, rules_of
 from sidecar.policy.schema import Monitor, Policy
 from tests.conftest import MIB, small_policy, snapshot
 
@@ -38,7 +38,7 @@ def lane(**overrides: object) -> tuple[LaneWatch, Policy, Rules]:
         monitor__min_bytes="1MiB",
     )
     p = small_policy(**(settings | overrides)).policy
-    return LaneWatch(p), p, rules_of(p)
+    return LaneWatch(rules_of(p)), p, rules_of(p)
 
 
 def reading(at: float, free: int, other: int | None = None, **engine: object) -> Snapshot:
@@ -449,11 +449,30 @@ def test_ending_a_request_it_never_saw_is_a_no_op() -> None:
 # -- what the gate reads ---------------------------------------------------------------------------------
 
 
-def test_effective_takes_the_measured_neighbour_unless_the_policy_names_one() -> None:
-    w, _, rules = lane(vram__idle_free_bytes="auto")
+def test_the_rules_in_force_take_the_measured_neighbour_unless_the_policy_names_one() -> None:
+    w, p, rules = lane(vram__idle_free_bytes="auto")
     w.observe(reading(1.0, 10 * GIB, other=300 * MIB), IDLE, rules, 1.0)
-    assert w.effective(rules).vram.other_processes_bytes == 300 * MIB
-    w, _, rules = lane(vram__idle_free_bytes="auto", vram__other_processes_bytes="676MiB")
+    assert rules_in_force(p, w.learned).vram.other_processes_bytes == 300 * MIB
+    w, p, rules = lane(vram__idle_free_bytes="auto", vram__other_processes_bytes="676MiB")
     w.observe(reading(1.0, 10 * GIB, other=300 * MIB), IDLE, rules, 1.0)
-    assert w.effective(rules).vram.other_processes_bytes == 676 * MIB
-    assert w.effective(rules).vram.idle_free_bytes == 10 * GIB
+    assert rules_in_force(p, w.learned).vram.other_processes_bytes == 676 * MIB
+    assert rules_in_force(p, w.learned).vram.idle_free_bytes == 10 * GIB
+    assert rules_in_force(p, w.learned).vram.headroom.value == "idle_budget"
+
+
+def test_until_measured_auto_reads_live_free_memory_and_a_measurement_only_replaces_auto() -> None:
+    """``idle_free_bytes: auto`` is resolved in one place: nothing learned, live GPU free memory and no
+    transient cap; a learned figure applies to ``auto`` only, never over a policy's own figure."""
+    auto = small_policy(vram__headroom="idle_budget", vram__idle_free_bytes="auto").policy
+    blind = rules_in_force(auto, Learned())
+    assert (blind.vram.headroom.value, blind.vram.idle_free_bytes, blind.vram.idle_free_auto) == (
+        "nvml_free",
+        None,
+        True,
+    )
+    assert blind.vram.transient_cap() is None
+    fixed = small_policy(vram__headroom="idle_budget", vram__idle_free_bytes="10GiB").policy
+    taught = Learned(idle_free_bytes=3 * GIB, idle_other_process_bytes=5, margin=1.7)
+    r = rules_in_force(fixed, taught)
+    assert (r.vram.idle_free_bytes, r.vram.idle_free_auto, r.cost.margin) == (10 * GIB, False, 1.7)
+    assert rules_in_force(fixed, Learned()).cost.margin == fixed.cost.margin

@@ -44,8 +44,8 @@ from sidecar.core.overrun import (
 from sidecar.core.prefill_rate import PrefillRate
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot
-from sidecar.policy.in_force import rules_of
-from sidecar.policy.schema import LoadedPolicy, Policy
+from sidecar.policy.in_force import rules_in_force, rules_of
+from sidecar.policy.schema import LoadedPolicy
 
 log = logging.getLogger("sidecar.admission.controller")
 
@@ -213,9 +213,9 @@ class Admission:
     ) -> None:
         self.loaded = policy
         # What the sidecar learns of its lane (idle free memory, under-predictions): the rules in
-        # force are the policy's with the margin and the idle figure it supplies.
-        self.watch = LaneWatch(policy.policy)
-        self.rules: Rules = self.watch.effective(rules_of(policy.policy))
+        # force are the policy's with what it has learnt (``rules_in_force``).
+        self.watch = LaneWatch(rules_of(policy.policy))
+        self.rules: Rules = rules_in_force(policy.policy, self.watch.learned)
         self.clock = clock
         self.shadow = shadow
         self.observer: Observer = _Guarded(observer or NullObserver())
@@ -251,7 +251,9 @@ class Admission:
         self._join_timer: Timer | None = None
 
     @property
-    def policy(self) -> Policy:
+    def policy(self):
+        """The validated policy, for what is not a rule (body limits, answers, priority bounds, its
+        name); the decision, the guard and the lane watch read :attr:`rules`."""
         return self.loaded.policy
 
     @property
@@ -322,7 +324,7 @@ class Admission:
         """A new policy: held requests are priced again under it (a new deadline too), then re-decided;
         admitted prefills are checked against it (the in-flight guard)."""
         self.loaded = policy
-        self.watch.reload(policy.policy)
+        self.watch.reload(rules_of(policy.policy))
         self._apply_rules()
         self._guard()
         self.pump()
@@ -347,7 +349,7 @@ class Admission:
         now = self.clock.now()
         last = self.last_overrun
         return {
-            "enabled": self.policy.guard.enabled and not self.shadow,
+            "enabled": self._guarding,
             "progress": "counter" if self.progress.counter is not None else "unknown (final peaks)",
             "prefilling": len(self._prefilling),
             "aborted": self.overruns,
@@ -358,7 +360,7 @@ class Admission:
     def _apply_rules(self) -> None:
         """The rules in force changed (a policy, a measured idle figure, a raised margin): held
         requests are priced again under them."""
-        self.rules = self.watch.effective(rules_of(self.loaded.policy))
+        self.rules = rules_in_force(self.loaded.policy, self.watch.learned)
         for h in self._queue.heap:
             if h.held and h.demand is not None:
                 h.demand = reprice(self.rules, h.demand)
@@ -544,7 +546,7 @@ class Admission:
         ended = self._released_at
         if not self._queue.live or ended is None:
             return False
-        return self.clock.now() - ended < self.policy.engine.poll_interval_s
+        return self.clock.now() - ended < self.rules.engine.poll_interval_s
 
     def _want_report(self) -> None:
         if self.report_wanted():
@@ -612,7 +614,7 @@ class Admission:
 
     @property
     def _guarding(self) -> bool:
-        return not self.shadow and self.policy.guard.enabled
+        return not self.shadow and self.rules.guard.enabled
 
     def _guard(self) -> None:
         """Abort the admitted prefills that no longer fit under the rules now in force (the rule is

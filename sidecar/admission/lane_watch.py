@@ -27,8 +27,8 @@ this same code) and both shown in ``/admission/state``:
   on (a later reading counts beyond it).
 
 Nothing here does I/O or reads a clock: ``now`` is passed in. The decision never reads this object;
-it reads the :class:`~sidecar.core.Rules` that :meth:`LaneWatch.effective` builds, in which the margin
-and the idle figure are plain inputs.
+it reads the :class:`~sidecar.core.Rules` that ``sidecar/policy/in_force.py: rules_in_force`` builds
+from the policy and :attr:`LaneWatch.learned`, in which the margin and the idle figure are plain inputs.
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sidecar.core.ledger import LedgerTotals
-from sidecar.core.rules import CostModel, Rules
+from sidecar.core.rules import CostModel, Learned, MonitorRules, Rules
 from sidecar.core.snapshot import GpuSignals, Snapshot
-from sidecar.policy.in_force import rules_of
-from sidecar.policy.schema import Monitor, Policy
 
 log = logging.getLogger("sidecar.admission.lane_watch")
 
@@ -93,7 +91,7 @@ class Finding:
         }
 
 
-def excess(observed: int, projected: int, m: Monitor) -> float | None:
+def excess(observed: int, projected: int, m: MonitorRules) -> float | None:
     """``observed / projected`` when the observed allocation exceeds the projection by more than the
     tolerance and ``min_bytes``, ``inf`` when nothing was projected; None when it does not."""
     if observed - projected < m.min_bytes or observed <= projected * (1.0 + m.tolerance):
@@ -102,7 +100,7 @@ def excess(observed: int, projected: int, m: Monitor) -> float | None:
 
 
 def raised_margin(
-    margin: float, projected_with: float, policy_margin: float, ratio: float, m: Monitor
+    margin: float, projected_with: float, policy_margin: float, ratio: float, m: MonitorRules
 ) -> float:
     """The margin in force after an allocation ``ratio`` times a projection made with the margin
     ``projected_with``: what covers it plus ``step``, never above ``max_margin`` (nor the policy's own
@@ -121,14 +119,15 @@ def projection(totals: LedgerTotals, cost: CostModel) -> int:
 
 
 class LaneWatch:
-    def __init__(self, policy: Policy) -> None:
-        self._policy = policy
-        self.margin = policy.cost.margin
+    def __init__(self, own: Rules) -> None:
+        # The policy's own rules (nothing learned): its margin, idle figure and monitor settings.
+        self._own = own
+        self.margin = own.cost.margin
         # The finding that set the margin in force (None: the policy's own).
         self.margin_finding: Finding | None = None
         # What a reading is compared with, as a multiple of the cost terms (None: the projection as
         # charged, margin included): the calibrated ratio, then the largest a finding showed.
-        self.covered = policy.cost.calibrated_ratio
+        self.covered = own.cost.calibrated_ratio
         self.idle: IdleFree | None = None
         self.engine_restarts = 0
         self.underestimates = 0
@@ -159,7 +158,12 @@ class LaneWatch:
         self._ended_now = 0
         self._ended_before = 0
         # What the latest charge was priced with (the policy's model until the first charge).
-        self._cost: CostModel = rules_of(policy).cost
+        self._cost: CostModel = own.cost
+
+    @property
+    def own(self) -> Rules:
+        """The policy's own rules, before anything was learnt (what ``policy_limits`` exports)."""
+        return self._own
 
     @property
     def priced(self) -> CostModel:
@@ -171,12 +175,12 @@ class LaneWatch:
 
     # -- what Admission tells it ---------------------------------------------------------------------
 
-    def reload(self, policy: Policy) -> None:
-        """A new policy: its own margin again; what was measured on the engine stays."""
-        self._policy = policy
-        self.margin = policy.cost.margin
+    def reload(self, own: Rules) -> None:
+        """A new policy (its own rules): its own margin again; what was measured on the engine stays."""
+        self._own = own
+        self.margin = own.cost.margin
         self.margin_finding = None
-        self.covered = policy.cost.calibrated_ratio
+        self.covered = own.cost.calibrated_ratio
         self._floor = min(self._floor, self.margin)
 
     def engine_restarted(self, now: float, why: str = "restarted") -> None:
@@ -188,7 +192,7 @@ class LaneWatch:
         self._low_water = self._prev_free = None
         self._peak = self._window = (0, self.margin)
         self._ended_now = self._ended_before = 0
-        if had is not None or self._policy.vram.idle_free_auto:
+        if had is not None or self._own.vram.idle_free_auto:
             log.info(
                 "engine changed (%s): idle free memory will be measured again when it is idle",
                 why,
@@ -280,22 +284,19 @@ class LaneWatch:
 
     # -- what it gives back ----------------------------------------------------------------------------
 
-    def effective(self, base: Rules) -> Rules:
-        """The policy's rules with what was learnt: the margin in force and, for ``auto``, the idle figure."""
-        v, vram = self._policy.vram, base.vram
-        if v.idle_free_auto and self.idle is not None:
-            other = v.other_processes_bytes
-            vram = replace(
-                vram,
-                headroom=v.headroom,
-                idle_free_bytes=self.idle.free_bytes,
-                other_processes_bytes=self.idle.other_process_bytes if other is None else other,
-            )
-        return replace(base, vram=vram, cost=replace(base.cost, margin=self.margin))
+    @property
+    def learned(self) -> Learned:
+        """What was learnt, for ``rules_in_force``: the margin in force and the measured idle figure."""
+        idle = self.idle
+        return Learned(
+            idle_free_bytes=None if idle is None else idle.free_bytes,
+            idle_other_process_bytes=None if idle is None else idle.other_process_bytes,
+            margin=self.margin,
+        )
 
     def state(self, now: float) -> dict[str, Any]:
         """For /admission/state: ages in seconds (the admin endpoint adds wall-clock times)."""
-        v, m, idle = self._policy.vram, self._policy.monitor, self.idle
+        v, m, idle = self._own.vram, self._own.monitor, self.idle
         if idle is not None:
             note = "measured" + (
                 " after traffic (a low-water mark: conservative)" if idle.after_traffic else ""
@@ -307,7 +308,7 @@ class LaneWatch:
         f = self.margin_finding
         return {
             "idle_free": {
-                "policy": v.idle_free_bytes,
+                "policy": "auto" if v.idle_free_auto else v.idle_free_bytes,
                 "measured_bytes": idle.free_bytes if idle else None,
                 "measured_other_process_bytes": idle.other_process_bytes if idle else None,
                 "measured_age_s": None if idle is None else round(now - idle.measured_at, 3),
@@ -325,9 +326,9 @@ class LaneWatch:
                 # Readings are compared with the cost terms times this (None: with the projection).
                 "covered_ratio": None if self.covered is None else round(self.covered, 4),
                 "raise_margin": m.raise_margin,
-                "max_margin": max(m.max_margin, self._policy.cost.margin),
+                "max_margin": max(m.max_margin, self._own.cost.margin),
                 "margin": {
-                    "policy": self._policy.cost.margin,
+                    "policy": self._own.cost.margin,
                     "effective": round(self.margin, 4),
                     "raised": f is not None,
                     "since_age_s": None if f is None else round(now - f.at, 3),
@@ -368,14 +369,14 @@ class LaneWatch:
                 " (after traffic: a low-water mark)" if self._traffic else "",
                 extra={"fields": {"event": "idle_free_measured", "free_bytes": g.free_bytes}},
             )
-        return self._policy.vram.idle_free_auto
+        return self._own.vram.idle_free_auto
 
     def _baseline(self) -> tuple[int, int | None] | None:
         """(idle free, other processes then): the sidecar's measurement, else the policy's figure."""
         if self.idle is not None:
             return self.idle.free_bytes, self.idle.other_process_bytes
-        figure = self._policy.vram.idle_free_figure
-        return None if figure is None else (figure, self._policy.vram.other_processes_bytes)
+        v = self._own.vram  # the policy's own figure (None for ``auto``)
+        return None if v.idle_free_bytes is None else (v.idle_free_bytes, v.other_processes_bytes)
 
     def _check(
         self,
@@ -435,7 +436,7 @@ class LaneWatch:
             # what the calibration and the findings since saw: the margin's safety above that is not
             # for the lane to use unseen (the module docstring).
             projected, projected_with = round(projected * cover / self._floor), cover
-        ratio = excess(observed, projected, self._policy.monitor)
+        ratio = excess(observed, projected, self._own.monitor)
         if ratio is None:
             return False
         if math.isinf(ratio):
@@ -450,9 +451,7 @@ class LaneWatch:
             )
             return False
         before = self.margin
-        self.margin = raised_margin(
-            before, projected_with, self._policy.cost.margin, ratio, self._policy.monitor
-        )
+        self.margin = raised_margin(before, projected_with, self._own.cost.margin, ratio, self._own.monitor)
         if cover is not None:
             # What the lane has shown is known from now on: a later reading counts beyond it.
             self.covered = max(cover, projected_with * ratio)

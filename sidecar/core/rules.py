@@ -64,6 +64,9 @@ class CostModel:
     # How long after a streamed first token, with no prefill ahead of it, the engine's next decode step
     # (where the running batch allocates the join) is taken to have started (``constraints.JoinPending``).
     join_settle_s: float = 0.0
+    # The multiple of the cost terms the calibration saw (the monitor compares readings with it; the
+    # decision does not read it). None: not calibrated.
+    calibrated_ratio: float | None = None
 
     def join_bytes(self, running: int) -> int:
         """What the running batch allocates when it grows to ``running`` requests, margin included."""
@@ -81,6 +84,9 @@ class VramRules:
     reserve_bytes: int
     max_transient_bytes: int | None
     on_exceed: ExceedAction
+    # ``idle_free_bytes: auto``: the sidecar measures the figure (``Learned``); until then the headroom
+    # is live GPU free memory and ``idle_free_bytes`` is None.
+    idle_free_auto: bool = False
 
     def transient_cap(self) -> int | None:
         """The largest transient the lane can ever take; larger requests are unfit."""
@@ -125,11 +131,16 @@ class LimitRules:
 @dataclass(frozen=True, slots=True)
 class SignalRules:
     max_age_s: float
+    # How often the shell reads the signal.
+    poll_interval_s: float
     # What to do when the signal is too old to trust: hold, reject or admit (the policy always says).
     on_stale: Action
     unavailable_after_failures: int
     # Only the GPU signal: False runs without it (the VRAM constraint is then off).
     required: bool = True
+    # Only the engine: how often it is read for one poll interval after an admitted request ended
+    # while requests are held (0: only every poll_interval_s).
+    poll_after_release_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +155,46 @@ class HoldRules:
 
 
 @dataclass(frozen=True, slots=True)
+class MonitorRules:
+    """The under-prediction monitor (``sidecar/admission/lane_watch.py``): an allocation over the
+    projection by more than ``tolerance`` (relative) and ``min_bytes`` is a finding; with
+    ``raise_margin`` the margin rises to cover it plus ``step``, never above ``max_margin``."""
+
+    raise_margin: bool
+    max_margin: float
+    step: float
+    tolerance: float
+    min_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GuardRules:
+    """The in-flight prefill guard (``sidecar/core/overrun.py``); enforce mode only."""
+
+    enabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """What the lane has taught the sidecar since the policy was loaded, as plain values; the rules in
+    force are the policy's with these (``sidecar/policy/in_force.py: rules_in_force``). Empty: the
+    policy alone. A new learned fact is a field here and one line there."""
+
+    # GPU free memory measured with the engine idle (for ``vram.idle_free_bytes: auto``), and what
+    # other processes held then (None: the GPU source cannot tell).
+    idle_free_bytes: int | None = None
+    idle_other_process_bytes: int | None = None
+    # The cost margin the monitor raised to cover an under-prediction (None: the policy's own).
+    margin: float | None = None
+
+
+NOTHING_LEARNED = Learned()
+
+
+@dataclass(frozen=True, slots=True)
 class Rules:
-    """Everything the decision reads of a policy. ``mamba`` is None on lanes without a Mamba pool."""
+    """Everything the decision and its shell read of a policy. ``mamba`` is None on lanes without a
+    Mamba pool; ``monitor`` and ``guard`` are read by the shell only."""
 
     lane: LaneRules
     cost: CostModel
@@ -157,3 +206,5 @@ class Rules:
     engine: SignalRules
     gpu: SignalRules
     hold: HoldRules
+    monitor: MonitorRules
+    guard: GuardRules

@@ -35,10 +35,10 @@ from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
+from sidecar.core.rules import Rules
 from sidecar.http.answers import decision_fields
 from sidecar.ops import logs
 from sidecar.ops.router_view import fit_prompt_tokens
-from sidecar.policy.schema import Policy
 
 if TYPE_CHECKING:
     from sidecar.admission.controller import Admission
@@ -448,7 +448,7 @@ class StateCollector(Collector):
         info = GaugeMetricFamily(PREFIX + "policy_info", "The policy in force", labels=["name", "sha256"])
         info.add_metric([a.policy.name, a.loaded.sha256], 1.0)
         yield info
-        yield from policy_limits(a.policy)
+        yield from policy_limits(a.watch.own)
 
 
 def watch_metrics(a: Admission) -> Iterable[Metric]:
@@ -484,7 +484,7 @@ def watch_metrics(a: Admission) -> Iterable[Metric]:
         yield idle
 
 
-def policy_limits(p: Policy) -> Iterable[Metric]:
+def policy_limits(p: Rules) -> Iterable[Metric]:
     """The limits of the policy in force, so dashboards draw them and alerts compare against them
     without copying numbers out of the YAML (and follow a reload)."""
 
@@ -512,8 +512,8 @@ def policy_limits(p: Policy) -> Iterable[Metric]:
         full=p.kv.max_usage,
         mamba=p.mamba.max_usage if p.mamba else None,
     )
-    yield one("policy_engine_queue_max_requests", "engine_queue.max_requests", p.engine_queue.max_requests)
-    yield one("policy_pending_prefill_max_tokens", "pending_prefill.max_tokens", p.pending_prefill.max_tokens)
+    yield one("policy_engine_queue_max_requests", "engine_queue.max_requests", p.engine_queue.limit)
+    yield one("policy_pending_prefill_max_tokens", "pending_prefill.max_tokens", p.pending_prefill.limit)
     yield one(
         "policy_signal_max_age_seconds",
         "engine.max_age_s and gpu.max_age_s: a signal older than this is stale",

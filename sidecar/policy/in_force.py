@@ -1,6 +1,6 @@
-"""The rules in force: the decision's plain values (``Rules``) built from a validated policy.
-The one place outside ``sidecar/policy/schema.py`` that reads the pydantic model on the decision's
-behalf."""
+"""The rules in force: the decision's plain values (``Rules``) built from a validated policy and what
+the lane has taught the sidecar (``Learned``). The one place that reads the pydantic model on the
+decision's and the shell's behalf, and the one place that resolves ``vram.idle_free_bytes: auto``."""
 
 from __future__ import annotations
 
@@ -10,36 +10,36 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from sidecar.core.rules import (
+    NOTHING_LEARNED,
     CostModel,
+    GuardRules,
     HeadroomSource,
     HoldRules,
     KvRules,
     LaneRules,
+    Learned,
     LimitRules,
     MambaRules,
+    MonitorRules,
     Rules,
     SignalRules,
     VramRules,
 )
-from sidecar.policy.schema import Policy
+from sidecar.policy.schema import Policy, Vram
 
 T = TypeVar("T", bound=Any)
 
 
-def rules_of(p: Policy) -> Rules:
-    """The decision's view of a validated policy, built once per loaded policy. Each core section takes
-    the policy section's fields of the same names (a new field is added to both, nothing here).
-
-    ``vram.idle_free_bytes: auto`` is no figure yet: until the sidecar has measured it
-    (``sidecar/admission/lane_watch.py`` then supplies it), the headroom is live GPU free memory and no transient
-    is unfit for its size alone."""
-    vram = _view(VramRules, p.vram)
-    if p.vram.idle_free_auto:
-        vram = replace(vram, headroom=HeadroomSource.NVML_FREE, idle_free_bytes=None)
+def rules_in_force(p: Policy, learned: Learned = NOTHING_LEARNED) -> Rules:
+    """The rules in force: the policy's sections under the core's names (a new field is added to both,
+    nothing here), with the margin and the idle figure the lane taught (``learned``)."""
+    cost = _view(CostModel, p.cost)
+    if learned.margin is not None:
+        cost = replace(cost, margin=learned.margin)
     return Rules(
         lane=_view(LaneRules, p.lane),
-        cost=_view(CostModel, p.cost),
-        vram=vram,
+        cost=cost,
+        vram=_vram(p.vram, learned),
         kv=_view(KvRules, p.kv),
         mamba=None if p.mamba is None else _view(MambaRules, p.mamba),
         engine_queue=LimitRules(p.engine_queue.max_requests, p.engine_queue.on_exceed),
@@ -47,6 +47,31 @@ def rules_of(p: Policy) -> Rules:
         engine=_view(SignalRules, p.engine),
         gpu=_view(SignalRules, p.gpu),
         hold=_view(HoldRules, p.hold),
+        monitor=_view(MonitorRules, p.monitor),
+        guard=_view(GuardRules, p.guard),
+    )
+
+
+def rules_of(p: Policy) -> Rules:
+    """The policy's own rules, before the lane has taught anything."""
+    return rules_in_force(p, NOTHING_LEARNED)
+
+
+def _vram(v: Vram, learned: Learned) -> VramRules:
+    """``idle_free_bytes: auto`` is no figure until the sidecar has measured it: until then the
+    headroom is live GPU free memory and no transient is unfit for its size alone; then the measured
+    figure, with what other processes held then unless the policy says."""
+    vram = _view(VramRules, v)
+    if not v.idle_free_auto:
+        return vram
+    if learned.idle_free_bytes is None:
+        return replace(vram, headroom=HeadroomSource.NVML_FREE, idle_free_bytes=None, idle_free_auto=True)
+    other = v.other_processes_bytes
+    return replace(
+        vram,
+        idle_free_bytes=learned.idle_free_bytes,
+        other_processes_bytes=learned.idle_other_process_bytes if other is None else other,
+        idle_free_auto=True,
     )
 
 
