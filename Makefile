@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# promtool, prometheus, systemd-analyze for the deployment tests (scripts/tools.sh says how)
+# promtool, prometheus, systemd-analyze, logrotate, chromium for the deployment and status-page tests (scripts/tools.sh says how)
 TOOLS := .tools/bin/.installed
 # pytest-xdist workers for `make test` (the suite is mostly waiting on real servers; 2 fits CI's 2 cores)
 TEST_JOBS ?= 2

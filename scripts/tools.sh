@@ -2,6 +2,10 @@
 # Puts the command-line tools that the deployment tests run into .tools/bin (ignored by git):
 #   promtool, prometheus   from Debian's `prometheus` package
 #   systemd-analyze        from Debian's `systemd` package
+#   logrotate              from Debian's `logrotate` package (deploy/logrotate/ is run by a test)
+#   chromium               Debian's `chromium`, installed with apt-get (as root, as CI runs): the status
+#                          page's test loads it in a real headless browser. Its shared libraries are
+#                          too many to extract beside it, and installing it starts no service.
 # A copy already on PATH is linked. Otherwise the package is fetched with `apt-get download` and
 # unpacked with `dpkg -x` into .tools/root: `apt-get install prometheus` would also pull the web UI's
 # JavaScript and its maintainer script starts a Prometheus server, which a test machine must not get.
@@ -45,6 +49,27 @@ WRAP
     fi
 fi
 
+if [ ! -x "$tools/bin/logrotate" ]; then
+    if command -v logrotate >/dev/null 2>&1; then
+        ln -sf "$(command -v logrotate)" "$tools/bin/logrotate"
+    else
+        # Not installed: its cron job and timer would rotate the machine's own logs.
+        [ -x "$tools/root/usr/sbin/logrotate" ] || { unpack libpopt0; unpack logrotate; }
+        cat >"$tools/bin/logrotate" <<WRAP
+#!/bin/sh
+LD_LIBRARY_PATH="$tools/root/usr/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "$tools/root/usr/sbin/logrotate" "\$@"
+WRAP
+        chmod +x "$tools/bin/logrotate"
+    fi
+fi
+
+if [ ! -x "$tools/bin/chromium" ]; then
+    if ! command -v chromium >/dev/null 2>&1; then
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium
+    fi
+    ln -sf "$(command -v chromium)" "$tools/bin/chromium"
+fi
+
 if ! command -v npm >/dev/null 2>&1; then
     apt-get update -qq && apt-get install -y -qq nodejs npm
 fi
@@ -53,3 +78,5 @@ fi
 "$tools/bin/promtool" --version | head -n1
 "$tools/bin/prometheus" --version | head -n1
 "$tools/bin/systemd-analyze" --version | head -n1
+"$tools/bin/logrotate" --version 2>&1 | head -n1
+"$tools/bin/chromium" --version

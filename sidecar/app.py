@@ -230,6 +230,9 @@ class SidecarApp:
             asyncio.get_running_loop().add_signal_handler(
                 signal.SIGHUP, lambda: self._spawn(self.reload_from_file(), "policy-reload")
             )
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            # logrotate renamed the decision log: the next batch goes to a new file at its path.
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self.telemetry.reopen_decision_log)
 
     async def drain(self, timeout_s: float) -> bool:
         """SIGTERM: stop admitting (new and held requests get 503 ``draining``, ``/readyz`` fails) while

@@ -40,7 +40,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "Ports: --listen serves clients (the engine's paths, /healthz, /readyz); --admin-listen serves "
         "/admission/* and /metrics (SECURITY.md).\n"
         "Reload the policy with SIGHUP or POST /admission/policy on the admin port (bearer token; "
-        "written to the policy file). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener "
+        "written to the policy file). SIGUSR1 reopens --decision-log (after logrotate renamed it). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener "
         "closes. A second SIGTERM exits at once.",
     )
     for name, field in Settings.model_fields.items():
@@ -279,7 +279,17 @@ def _serve_with(settings: Any) -> int:
         return _fail(f"--admin-token-file: {e}")
     # A decision-log file holds one JSON object per line (replay reads it back); without one, decision
     # lines go through the log pipeline in --log-format.
-    decision_log = open(settings.decision_log, "a", encoding="utf-8") if settings.decision_log else None  # noqa: SIM115
+    # SIGUSR1 reopens it (logrotate); --decision-log-max-bytes rolls it over (sidecar/ops/decision_file.py).
+    decision_log = None
+    if settings.decision_log:
+        from sidecar.ops.decision_file import DecisionFile
+
+        try:
+            decision_log = DecisionFile(
+                settings.decision_log, settings.decision_log_max_bytes, settings.decision_log_backups
+            )
+        except OSError as e:
+            return _fail(f"--decision-log: cannot open {settings.decision_log}: {e.strerror or e}")
     from sidecar.app import SidecarApp
     from sidecar.ops.telemetry import sidecar_version
 

@@ -75,6 +75,16 @@ class Settings(BaseSettings):
         help="append decision lines here, always JSON (default: the log stream, in --log-format)",
         metavar="FILE",
     )
+    decision_log_max_bytes: int = _opt(
+        0,
+        help="roll --decision-log over when it would pass this many bytes (FILE.1 the newest); 0: never, "
+        "leave rotation to logrotate, which renames the file and sends SIGUSR1 to reopen it",
+        metavar="BYTES",
+        ge=0,
+    )
+    decision_log_backups: int = _opt(
+        5, help="rolled-over decision-log files kept with --decision-log-max-bytes", metavar="N", ge=1
+    )
     forwarded_allow_ips: str | None = _opt(
         None,
         help="proxies (addresses or networks, comma-separated, or *) whose X-Forwarded-For and "

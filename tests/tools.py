@@ -1,4 +1,4 @@
-"""The command-line tools that deployment tests run: promtool, prometheus, systemd-analyze.
+"""The command-line tools that deployment tests run: promtool, prometheus, systemd-analyze, logrotate, chromium.
 
 `make test` puts them in .tools/bin (scripts/tools.sh); a missing tool fails the test that needs it with
 the command that installs it, never a skip (a skipped check would pass with the feature broken).

@@ -252,6 +252,16 @@ class Telemetry:
         self._reloads[applied].inc()
         self._reload_ok.set(1 if applied else 0)
 
+    def reopen_decision_log(self) -> None:
+        """SIGUSR1: a decision-log file (``ops/decision_file.py``) is reopened before the next batch; a
+        plain stream (stderr, a test's buffer) has nothing to reopen."""
+        reopen = getattr(self._writer.stream, "request_reopen", None) if self._writer else None
+        if reopen is not None:
+            reopen()
+            logging.getLogger("sidecar").info(
+                "decision log reopened", extra={"fields": {"event": "decision_log_reopen"}}
+            )
+
     @property
     def dropped_log_lines(self) -> int:
         return self._writer.dropped if self._writer is not None else 0
