@@ -1,4 +1,4 @@
-"""`sglang-sidecar` (also `python -m sidecar`): serve, check-policy, demo, emulate, replay.
+"""`sglang-sidecar` (also `python -m sidecar`): serve, check-policy, status, demo, emulate, replay.
 
 argparse gives the command structure and --help; `serve`'s options are validated by the pydantic
 Settings model, which also reads each option from its ``SIDECAR_*`` environment variable.
@@ -148,6 +148,32 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("url", nargs="?", default="http://127.0.0.1:8001/readyz", help="the URL to poll")
     w.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after this long")
 
+    st = sub.add_parser(
+        "status",
+        help="the live view of a running sidecar: decisions/s by reason, hold queue, headroom, alerts",
+        description="Read a sidecar's admin port (/admission/state and /metrics) twice, --interval apart, "
+        "and show the lane: decisions per second by reason, the hold queue, headroom against the largest "
+        "projection admitted, the engine's gauges, the monitor, measured vs policy figures and the alerts "
+        "that would fire. The same view is a page on the admin port: GET /admission/status.",
+        formatter_class=DefaultsShown,
+        epilog="Exit status: 0 shown, 1 the admin port could not be read.",
+    )
+    st.add_argument(
+        "--admin",
+        default="http://" + os.environ.get("SIDECAR_ADMIN_LISTEN", "127.0.0.1:8002"),
+        metavar="URL",
+        help="the sidecar's admin port (from SIDECAR_ADMIN_LISTEN when set)",
+    )
+    st.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
+    st.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between readings (rates are over it)",
+    )
+    st.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N views")
+
     from sidecar.calibrate.command import add_parser as add_calibrate
 
     add_calibrate(sub, DefaultsShown)
@@ -202,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replay": _replay,
         "wait": _wait,
         "calibrate": _calibrate,
+        "status": _status,
     }[args.command]
     try:
         return handler(args)
@@ -526,6 +553,41 @@ def _wait(args: argparse.Namespace) -> int:
                 print(f"{args.url}: not ready after {args.timeout:g} s ({last})", file=sys.stderr)
                 return 1
             time.sleep(0.25)
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Two readings ``--interval`` apart, then the view; with ``--watch`` a new view every interval."""
+    import time
+
+    import httpx
+
+    from sidecar.ops.status import Unreachable, read_sample, render_text, view
+
+    if args.interval <= 0:
+        return _fail("--interval must be above 0")
+    shown = 0
+    try:
+        with httpx.Client(timeout=5.0) as client:
+            prev = read_sample(client, args.admin, time.monotonic)
+            while True:
+                time.sleep(args.interval)
+                cur = read_sample(client, args.admin, time.monotonic)
+                text = render_text(view(cur, prev))
+                if args.watch and sys.stdout.isatty():
+                    text = "\x1b[H\x1b[2J" + text  # home, clear: redraw in place
+                print(
+                    text + (f"({args.admin}, {time.strftime('%H:%M:%S')})\n" if args.watch else ""),
+                    flush=True,
+                )
+                shown += 1
+                prev = cur
+                if not args.watch or (args.count is not None and shown >= args.count):
+                    return 0
+    except Unreachable as e:
+        print(f"sglang-sidecar status: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -195,14 +195,17 @@ async def run_phase(
     window_s: float,
     *,
     cuda: bool = False,
+    watch: Callable[[str], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
     """One run: emulator (+ sidecar when ``policy`` is given) on loopback, the scenario's clients.
 
     ``cuda``: the emulator allocates its pool and every transient on the real GPU (a crash is CUDA's
     own out-of-memory error) and the sidecar reads real NVML instead of the emulator's file.
+    ``watch``: called with the sidecar's admin URL while the phase runs (a test reads the live view
+    there); cancelled when the phase ends.
     """
     from sidecar.app import SidecarApp
-    from sidecar.http.server import serve_app
+    from sidecar.http.server import serve_sidecar
     from sidecar.signals.gpu import parse_gpu_source
 
     profile = get_profile(scenario.profile)
@@ -224,7 +227,15 @@ async def run_phase(
                         trust_emulator_sizes=True,
                         decision_log=stack.enter_context((Path(tmp) / "decisions.jsonl").open("w")),
                     )
-                    url = await stack.enter_async_context(serve_app(app))
+                    url, admin = await stack.enter_async_context(serve_sidecar(app))
+                    print(
+                        f"  live view while it runs: sglang-sidecar status --watch --interval 0.5 --admin {admin}"
+                        f"\n                       or open {admin}/admission/status",
+                        flush=True,
+                    )
+                    if watch is not None:
+                        watcher = asyncio.create_task(watch(admin))
+                        stack.push_async_callback(_cancel, watcher)
                 timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
                 async with aiohttp.ClientSession(timeout=timeout) as session:
                     driver = LiveDriver(scenario, url, emu.emulator.now, speed, session, seed)
@@ -262,6 +273,12 @@ async def run_phase(
     out["gpu_source"] = gpu_seen.source if gpu_seen else None
     out["gpu_free_bytes_last"] = gpu_seen.free_bytes if gpu_seen else None
     return out
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _progress(driver: LiveDriver, model: Any, app: Any, label: str, window_s: float) -> None:

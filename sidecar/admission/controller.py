@@ -260,6 +260,14 @@ class Admission:
     def held(self) -> int:
         return self._queue.live
 
+    def waiting_for(self) -> tuple[str | None, int | None]:
+        """What the first held request waits for (the reason of its last decision) and its projected
+        bytes: what must change for the queue to move (the live view shows it)."""
+        head = self._queue.head()
+        if head is None or head.decision is None or head.demand is None:
+            return None, None
+        return (head.decision.reason.value if head.decision.reason else None), head.demand.projected_bytes
+
     def oldest_wait_s(self) -> float | None:
         now = self.clock.now()
         return max((now - h.demand.arrived_at for h in self._queue.heap if h.held and h.demand), default=None)

@@ -12,6 +12,7 @@ built with ``public=True`` so that nothing there names a file or the engine's ad
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import time
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sidecar.admission.controller import Admission
@@ -29,6 +30,8 @@ from sidecar.intake.body import BadRequest, parse_explain
 from sidecar.intake.demand import demand_of
 from sidecar.intake.tokens import PromptCounter
 from sidecar.ops.router_view import loads_view, signals
+from sidecar.ops.status import Metrics, Sample, render_html
+from sidecar.ops.status import view as status_view
 from sidecar.policy.source import PolicySource, UploadRefused
 from sidecar.policy.summary import summarize
 from sidecar.signals.gpu import GpuSource
@@ -37,10 +40,16 @@ log = logging.getLogger("sidecar.policy.schema")
 
 # Served by both listeners: the kubelet probes the data port, an operator's script the admin one.
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+# The status page refreshes every STATUS_REFRESH_S; its rates are over the latest of its earlier views
+# at least STATUS_MIN_INTERVAL_S old (several open pages share the readings).
+STATUS_REFRESH_S = 2.0
+STATUS_MIN_INTERVAL_S = 1.0
+STATUS_SAMPLES = 32
 # The admin listener's own paths (and, with --admin-on-data-port, the data port's too).
 ADMIN_PATHS = frozenset(
     {
         "/admission/state",
+        "/admission/status",
         "/admission/explain",
         "/admission/policy",
         "/admission/signals",
@@ -143,6 +152,8 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
             "oldest_wait_s": a.oldest_wait_s(),
             "max_held": a.policy.hold.max_held,
             "max_wait_s": a.policy.hold.max_wait_s,
+            # The first held request: the reason it waits for, and what it is projected to allocate.
+            **dict(zip(("head_waits_for", "head_projected_bytes"), a.waiting_for(), strict=True)),
         },
         "policy": {
             "name": a.policy.name,
@@ -269,6 +280,19 @@ def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> 
     @api.get("/admission/state")
     async def get_state() -> dict[str, Any]:
         return state(app, public=public)
+
+    samples: collections.deque[Sample] = collections.deque(maxlen=STATUS_SAMPLES)
+
+    @api.get("/admission/status", response_class=HTMLResponse)
+    async def get_status() -> HTMLResponse:
+        """The live view as a page (sidecar/ops/status.py): refreshes itself; rates since an earlier view."""
+        cur = Sample(
+            time.monotonic(), state(app, public=public), Metrics.parse(generate_latest(app.registry).decode())
+        )
+        prev = next((x for x in samples if cur.at - x.at >= STATUS_MIN_INTERVAL_S), None)
+        samples.append(cur)
+        at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        return HTMLResponse(render_html(status_view(cur, prev), STATUS_REFRESH_S, at))
 
     @api.get("/admission/signals")
     async def get_signals() -> dict[str, Any]:

@@ -203,6 +203,10 @@ class Telemetry:
             registry=registry,
         )
         self._writer = LineWriter(decision_log) if decision_log is not None else None
+        # The largest projection of a request the gate admitted since start: the live view sets the
+        # headroom against it (would the lane's biggest request fit now?). 0 until the first admit.
+        self.largest_admitted_bytes = 0
+        registry.register(_LargestAdmitted(self))
         self.context: Callable[[], dict[str, Any]] = dict
 
     def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
@@ -216,6 +220,8 @@ class Telemetry:
         elif d.action is Action.ADMIT:
             self._admits.inc()
             self._hold.observe(waited_s)
+            if cost.projected_bytes > self.largest_admitted_bytes:
+                self.largest_admitted_bytes = cost.projected_bytes
         elif d.reason is Reason.PREFILL_OVERRUN:
             # The in-flight guard aborted an admitted request (it was counted as an admit, and its
             # outcome is `prefill_overrun`): the decision log records this second verdict, and an
@@ -272,6 +278,25 @@ class Telemetry:
 
     def outcome(self, outcome: Outcome) -> None:
         self._outcomes[outcome].inc()
+
+
+class _LargestAdmitted(Collector):
+    """``largest_admitted_projection_bytes``: absent until a request was admitted (never a 0)."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        if self.telemetry.largest_admitted_bytes:
+            g = GaugeMetricFamily(
+                PREFIX + "largest_admitted_projection_bytes",
+                "The largest projected prefill transient of a request admitted since the sidecar started",
+            )
+            g.add_metric([], float(self.telemetry.largest_admitted_bytes))
+            yield g
 
 
 def register_process_metrics(registry: CollectorRegistry) -> None:

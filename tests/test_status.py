@@ -1,0 +1,159 @@
+"""The live view for on-call: ``sglang-sidecar status`` and ``GET /admission/status`` during the outage.
+
+The acceptance run is ``make demo``'s gated phase (the emulator, the real sidecar on both ports, the
+scenario's clients): once the burst is held, the CLI (a real process) and the page in a real headless
+Chromium (Debian's package, ``scripts/tools.sh``) must both show the hold queue built up and the
+reason it waits for. ``SIDECAR_UPDATE_SCREENSHOT=1`` keeps the browser's screenshot as docs/status.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import yaml
+
+from sidecar.ops import status
+from sidecar.policy.schema import load_policy_file
+from sidecar_emulator.demo import DEFAULT_SCENARIO, run_phase, scale_policy
+from sidecar_emulator.scenario import load_scenario
+from tests.conftest import ROOT
+from tests.harness import FakeEngine, eventually, gen, lane
+from tests.tools import tool
+
+# Slower than the demo's 25x: the hold build-up lasts ~65 engine seconds, here ~6.5 s of wall time,
+# which a browser started on a busy 2-core machine still lands in.
+SPEED = 10.0
+HELD_AT_LEAST = 3
+
+
+def chromium(*args: str, profile: Path) -> list[str]:
+    """A headless Chromium command line (root in CI: no sandbox; its own profile per process)."""
+    return [
+        tool("chromium"),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        *args,
+    ]
+
+
+async def run(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(
+        subprocess.run, cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+async def test_status_and_the_page_show_the_outage_holds_building_up(tmp_path: Path) -> None:
+    scenario = load_scenario(DEFAULT_SCENARIO)
+    policy = scale_policy(load_policy_file(scenario.policy_path(DEFAULT_SCENARIO.parent)), SPEED)
+    seen: dict[str, subprocess.CompletedProcess[str] | int] = {}
+    shot = tmp_path / "status.png"
+
+    async def watch(admin: str) -> None:
+        async with httpx.AsyncClient(timeout=5) as client:
+            # An earlier view of the page (an on-call engineer's open tab): the browser's gets rates.
+            assert (await client.get(admin + "/admission/status")).status_code == 200
+
+            async def held() -> bool:
+                n = (await client.get(admin + "/admission/state")).json()["queue"]["held"]
+                seen["held"] = n
+                return n >= HELD_AT_LEAST
+
+            await eventually(held, timeout=60)
+        page = admin + "/admission/status"
+        cli = [sys.executable, "-m", "sidecar", "status", "--admin", admin, "--interval", "0.5"]
+        seen["cli"], seen["dom"], seen["shot"] = await asyncio.gather(
+            run(cli),
+            run(chromium("--dump-dom", page, profile=tmp_path / "p1")),
+            run(chromium(f"--screenshot={shot}", "--window-size=1400,760", page, profile=tmp_path / "p2")),
+        )
+
+    gated = await run_phase(scenario, policy, SPEED, scenario.seed, "gated", 240.0, watch=watch)
+    assert gated["crashes"] == [] and gated["held_then_admitted"] > 0
+    cli, dom, png = seen["cli"], seen["dom"], seen["shot"]
+    assert isinstance(cli, subprocess.CompletedProcess) and cli.returncode == 0, cli
+    # The terminal: the policy, the queue built up, what it waits for, headroom against the largest admit.
+    text = cli.stdout
+    assert "maxq-qwen3next-old · enforce" in text, text
+    held = int(re.search(r"held\s+(\d+) of \d+", text).group(1))  # type: ignore[union-attr]
+    assert held >= 1, text
+    assert "first in line waits for" in text and "held since start, by reason" in text, text
+    assert ("largest admitted projection" in text and "alerts:" in text.lower()) or "ALERTS" in text
+    # The page, as a real browser rendered it: the same rows.
+    assert isinstance(dom, subprocess.CompletedProcess) and dom.returncode == 0, dom.stderr[-2000:]
+    assert 'id="headline"' in dom.stdout and "maxq-qwen3next-old" in dom.stdout
+    assert re.search(r"<td>admit</td><td>[\d.]+/s</td>", dom.stdout), dom.stdout
+    page_held = int(re.search(r"held (\d+)/\d+", dom.stdout).group(1))  # type: ignore[union-attr]
+    assert page_held >= 1 and "Hold queue" in dom.stdout and "oldest wait" in dom.stdout
+    assert 'http-equiv="refresh"' in dom.stdout and "<script" not in dom.stdout
+    assert (
+        isinstance(png, subprocess.CompletedProcess) and png.returncode == 0 and shot.stat().st_size > 20_000
+    )
+    if os.environ.get("SIDECAR_UPDATE_SCREENSHOT"):
+        shutil.copy(shot, ROOT / "docs" / "status.png")
+        (ROOT / "docs" / "status.txt").write_text(text)
+
+
+async def test_status_rates_alerts_and_watch_against_a_lane(tmp_path: Path) -> None:
+    """A lane with no room: requests are held, then time out, for as long as the CLI watches. Each of
+    its --count views rates them per second by reason and names the alerts that would fire."""
+    engine = FakeEngine(events=1)
+    async with (
+        lane(tmp_path, engine, free_mib=0, hold__max_wait_s=0.2) as (url, _app, _),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        argv = ["status", "--admin", url.admin, "--interval", "1", "--watch", "--count", "2"]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sidecar", *argv, stdout=asyncio.subprocess.PIPE, cwd=ROOT
+        )
+        reasons = set()
+        sent = 0
+        while proc.returncode is None:
+            answers = await asyncio.gather(
+                *(client.post(url + "/generate", json=gen(rid=f"s{sent + i}")) for i in range(4))
+            )
+            sent += 4
+            reasons |= {r.headers["x-admission-reason"] for r in answers}
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 0.01)
+        out, _ = await proc.communicate()
+    text = out.decode()
+    assert proc.returncode == 0 and reasons == {"hold_timeout"}
+    views = text.split("ALERTS that would fire:")[1:]
+    assert len(views) == 2, text
+    for v in views:
+        assert re.search(r"reject: hold_timeout\s+[1-9][\d.]*/s", v), v
+        assert re.search(r"held: (vram_headroom|signals_stale)\s+[1-9][\d.]*/s", v), v
+        assert "SidecarHoldTimeouts" in v and "SidecarRejectRatioHigh" in v and "SidecarGateClosed" in v, v
+
+
+def test_the_alerts_the_view_evaluates_are_the_shipped_rules() -> None:
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
+    names = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+    source = Path(status.__file__).read_text()
+    evaluated = set(re.findall(r'"(Sidecar[A-Za-z]+)"', source))
+    assert evaluated and evaluated <= names
+    # Every rule is either evaluated or named as Prometheus's own view.
+    assert names - evaluated == {"SidecarDown", "SidecarNotScraped"}
+
+
+def test_status_says_why_it_cannot_read_the_admin_port() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "sidecar", "status", "--admin", "http://127.0.0.1:9", "--interval", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 1 and "cannot read http://127.0.0.1:9" in r.stderr and "Traceback" not in r.stderr
