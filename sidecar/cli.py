@@ -1,4 +1,4 @@
-"""`sglang-sidecar` (also `python -m sidecar`): serve, check-policy, status, demo, emulate, replay.
+"""`sglang-sidecar` (also `python -m sidecar`): serve, check-policy, status, init, demo, emulate, replay.
 
 argparse gives the command structure and --help; `serve`'s options are validated by the pydantic
 Settings model, which also reads each option from its ``SIDECAR_*`` environment variable.
@@ -175,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N views")
 
     from sidecar.calibrate.command import add_parser as add_calibrate
+    from sidecar.calibrate.starter import add_parser as add_init
 
+    add_init(sub, DefaultsShown)
     add_calibrate(sub, DefaultsShown)
 
     r = sub.add_parser(
@@ -229,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wait": _wait,
         "calibrate": _calibrate,
         "status": _status,
+        "init": _init,
     }[args.command]
     try:
         return handler(args)
@@ -602,6 +605,12 @@ def _emulate(args: argparse.Namespace) -> int:
 
     with installed("info", "text"):
         return emulate_main(args)
+
+
+def _init(args: argparse.Namespace) -> int:
+    from sidecar.calibrate.starter import main as init_main
+
+    return init_main(args)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
