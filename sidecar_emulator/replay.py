@@ -847,6 +847,7 @@ def main(args: argparse.Namespace) -> int:
                 args.plot,
                 title=f"{scenario.name} ({profile.name}, seed {seed})",
                 policy=policy.policy,
+                start_unix=scenario.start_unix,
             )
         except OSError as e:
             print(f"replay: --plot {args.plot}: cannot write the picture: {e.strerror or e}", file=sys.stderr)

@@ -122,6 +122,9 @@ class Scenario(_Strict):
     retry_after_default_s: float = Field(default=30, gt=0)
     workload: list[Workload] = Field(min_length=1)
     gpu_events: list[GpuEvent] = Field(default_factory=list)
+    # Unix time of t = 0 when the requests come from a decision log (its first line's ``ts``): the
+    # plot's time axis then reads the log's own clock (UTC). None: virtual time.
+    start_unix: float | None = None
 
     @model_validator(mode="after")
     def _joins_exist(self) -> Scenario:
@@ -155,6 +158,7 @@ def load_trace(path: str | Path, *, profile: str, policy: str, seed: int = 0) ->
     p = Path(path)
     requests: list[Request] = []
     firsts: dict[str, dict] = {}
+    has_relative = False  # request-log lines (relative "t"): no wall clock to show
     lines = read_text(p, ScenarioError).splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -171,10 +175,12 @@ def load_trace(path: str | Path, *, profile: str, policy: str, seed: int = 0) ->
             continue
         if "logger" in rec and "level" in rec:
             continue  # another line of a --log-format json stream (start-up, access, ...)
+        has_relative = True
         try:
             requests.append(Request.model_validate(rec))
         except ValueError as e:
             raise ScenarioError(str(p), [f"{p}:{n}: {e}"]) from None
+    t0: float | None = None
     if firsts:
         t0 = min(float(r["ts"]) for r in firsts.values())
         for rec in firsts.values():
@@ -199,4 +205,5 @@ def load_trace(path: str | Path, *, profile: str, policy: str, seed: int = 0) ->
         seed=seed,
         duration_s=last + 3600,
         workload=[Requests(kind="requests", requests=requests)],
+        start_unix=t0 if not has_relative else None,
     )

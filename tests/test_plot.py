@@ -93,3 +93,77 @@ def test_a_bad_plot_path_is_a_clear_error_before_the_run(tmp_path: Path, out: st
     assert r.returncode == 2
     assert says in r.stderr and "Traceback" not in r.stderr
     assert "replay paired" not in r.stdout  # refused before an hour of replay, not after
+
+
+def texts(fig: Any) -> list[Any]:
+    """Every piece of text the PNG shows (tick labels need a draw to exist)."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+
+
+def test_every_label_is_readable_at_10_pt(neighbour) -> None:  # type: ignore[no-untyped-def]
+    _, _, fig = neighbour
+    small = {(t.get_text()[:40], t.get_fontsize()) for t in texts(fig) if t.get_fontsize() < 10}
+    assert not small
+
+
+def test_the_headroom_is_stacked_from_its_parts_and_the_reserve_is_pointed_at(neighbour) -> None:  # type: ignore[no-untyped-def]
+    results, policy, fig = neighbour
+    memory = fig.axes[1]
+    stacked = [c.get_label() for c in memory.collections if not c.get_label().startswith("_")]
+    assert stacked[:2] == [
+        f"reserve ({policy.vram.reserve_bytes >> 20} MiB, never handed out)",
+        "ledger: projected transients",
+    ]
+    assert stacked[-1].startswith("gate headroom")
+    # The neighbour's growth is a part of its own: it is what the budget lost.
+    assert any(label.startswith("other processes' growth") for label in stacked)
+    # The stack's top is the policy's idle budget wherever the gate had a reading.
+    [budget] = [ln for ln in memory.get_lines() if ln.get_label() == "idle budget in force"]
+    known = [h is not None for h in results[f"gated ({policy.name})"]["series"]["headroom_bytes"]]
+    tops = {round(y * (1 << 30)) >> 20 for y, k in zip(budget.get_ydata(), known, strict=True) if k}
+    assert tops == {policy.vram.idle_free_bytes >> 20}
+    notes = " ".join(t.get_text() for t in memory.texts)
+    assert (
+        f"reserve {policy.vram.reserve_bytes >> 20} MiB" in notes
+    )  # pointed at: a few MiB vanish at GiB scale
+    assert "GPU free sits near 0" in notes and "caching allocator" in notes and "idle_budget" in notes
+
+
+def test_a_decision_log_is_plotted_on_its_own_wall_clock(tmp_path: Path) -> None:
+    """Replaying a real decision log, the time axis reads UTC clock times of the log, not virtual seconds."""
+    import json
+
+    from sidecar_emulator.scenario import load_trace
+
+    start = 1764607200.0  # 2025-12-01 16:40:00 UTC
+    log = tmp_path / "decisions.jsonl"
+    lines = [
+        {
+            "ts": start + 20 * i,
+            "event": "decision",
+            "request_id": f"r{i}",
+            "prompt_tokens": 60_000 + 10_000 * i,
+        }
+        for i in range(6)
+    ]
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    policy = load_policy_file(ROOT / "policies/maxq-qwen3next-bounded.yaml")
+    scenario = load_trace(log, profile="maxq-bounded", policy="policies/maxq-qwen3next-bounded.yaml")
+    assert scenario.start_unix == start
+    results = {
+        "gated": run_replay(scenario, gate=True, policy=policy, profile=get_profile("maxq-bounded"), seed=0)
+    }
+    fig = build_figure(results, "night", policy.policy, start_unix=scenario.start_unix)
+    texts(fig)
+    bottom = [ax for ax in fig.axes if ax.get_visible()][-1]
+    assert "UTC" in bottom.get_xlabel() and "2025-12-01" in bottom.get_xlabel()
+    ticks = [t.get_text() for t in bottom.get_xticklabels() if t.get_text()]
+    assert ticks and all(t.startswith("16:") and t.count(":") == 2 for t in ticks), ticks
+    assert "16:40:00" in fig.get_suptitle() and "2025-12-01" in fig.get_suptitle()
+    # A request log (relative t) has no clock to show.
+    rel = tmp_path / "requests.jsonl"
+    rel.write_text(json.dumps({"t": 0, "prompt_tokens": 1000}) + "\n")
+    assert load_trace(rel, profile="maxq-bounded", policy="x").start_unix is None
