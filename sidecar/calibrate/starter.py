@@ -192,13 +192,13 @@ def starter_text(r: LaneReading, name: str) -> str:
         "  context_bytes_per_token: 2735  # context temporaries per prompt token (evidence D2)",
         "  gather_bytes_per_context_token: 2KiB  # the uncapped full-context gather, the worst build known (evidence D1)",
         "  batch_join_bytes: 1248MiB  # a finished prefill joining the running batch (evidence M3)",
-        f"  margin: {START_MARGIN}  # 25 % on every term until calibrate measures this lane",
+        f"  margin: {START_MARGIN}  # assumed: 25 % on every term until calibrate measures this lane",
         "",
         "vram:",
         "  headroom: idle_budget  # a caching PyTorch engine keeps live free memory at its low-water mark",
         idle,
         *other,
-        f"  reserve_bytes: {START_RESERVE_MIB}MiB  # never handed out: 4x calibrate's 16 MiB floor, for an unmeasured lane",
+        f"  reserve_bytes: {START_RESERVE_MIB}MiB  # assumed: never handed out; 4x calibrate's 16 MiB floor for an unmeasured lane",
         "",
         "kv:",
         "  max_usage: 0.95  # assumed: leaves decode room in the pool",
@@ -229,7 +229,7 @@ def starter_text(r: LaneReading, name: str) -> str:
         "",
         "monitor:",
         "  raise_margin: true  # a GPU reading above the projection raises the margin, up to max_margin",
-        "  max_margin: 2.0  # room for a model whose activations exceed the terms above",
+        "  max_margin: 2.0  # assumed: room for a model whose activations exceed the terms above",
     ]
     return "\n".join(lines) + "\n"
 
