@@ -160,3 +160,42 @@ def test_status_says_why_it_cannot_read_the_admin_port() -> None:
         cwd=ROOT,
     )
     assert r.returncode == 1 and "cannot read http://127.0.0.1:9" in r.stderr and "Traceback" not in r.stderr
+
+
+async def test_measured_vs_policy_shows_what_the_state_reports_and_tolerates_absence(tmp_path: Path) -> None:
+    """Every policy-vs-measured figure the state carries gets a row (a newer state's lane facts too),
+    a disagreement is flagged; a state without the monitor's or guard's sections still renders."""
+    async with (
+        lane(tmp_path, FakeEngine(events=1)) as (url, _app, _),
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        st = (await client.get(url.admin + "/admission/state")).json()
+        metrics = status.Metrics.parse((await client.get(url.admin + "/metrics")).text)
+    st["facts"] = {
+        "kv_pool_tokens": {
+            "policy": 100000,
+            "measured": 90000,
+            "in_force": 90000,
+            "disagrees": True,
+            "unsafe": True,
+        },
+        "context_len": {
+            "policy": 100000,
+            "measured": 100000,
+            "in_force": 100000,
+            "disagrees": False,
+            "unsafe": False,
+        },
+    }
+    text = status.render_text(status.view(status.Sample(1.0, st, metrics)))
+    assert re.search(
+        r"facts\.kv_pool_tokens\s+policy 100,000, measured 90,000, in force 90,000 · DISAGREES", text
+    )
+    assert re.search(r"facts\.context_len\s+policy 100,000, measured 100,000, in force 100,000\n", text)
+    assert re.search(r"idle_free\s+policy unknown, measured", text)
+    for key in ("monitor", "guard", "facts", "idle_free"):
+        st.pop(key, None)
+    bare = status.render_text(status.view(status.Sample(1.0, st, metrics)))
+    assert "Measured vs policy" in bare and "(none reported)" in bare
+    page = status.render_html(status.view(status.Sample(1.0, st, metrics)), 2.0, "now")
+    assert "<script" not in page and 'http-equiv="refresh" content="2"' in page

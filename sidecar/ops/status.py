@@ -197,7 +197,9 @@ def _headroom(s: dict[str, Any], m: Metrics) -> Section:
     head, g = s["headroom_bytes"], s["gpu"]
     largest = m.get("largest_admitted_projection_bytes")
     sec.add("headroom (gate)", gib(head))
-    if largest is not None:
+    if largest is None:
+        sec.add("largest admitted projection", "none admitted yet")
+    else:
         fits = head is not None and head >= largest
         times = f" ({head / largest:,.1f}x)" if head is not None and largest > 0 and head > 0 else ""
         sec.add(
