@@ -98,7 +98,10 @@ async def read_lane(upstream: str, gpu_spec: str) -> LaneReading:
     mamba, mamba_from = e.mamba_total_slots, "/metrics Mamba used + available slots"
     if mamba is None and (configured := await _server_arg(upstream, "max_mamba_cache_size")):
         # An engine that has not published its Mamba gauges yet (before its first batch): its setting.
-        mamba, mamba_from = configured, "/server_info max_mamba_cache_size (a cap; the gauges win: evidence V2)"
+        mamba, mamba_from = (
+            configured,
+            "/server_info max_mamba_cache_size (a cap; the gauges win: evidence V2)",
+        )
     return LaneReading(
         upstream=upstream,
         gpu_spec=gpu_spec,
