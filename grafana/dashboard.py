@@ -29,7 +29,7 @@ OUT = Path(__file__).resolve().parent / "dashboards" / "sglang-sidecar.json"
 DS = m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'lane=~"$lane", instance=~"$instance"'
 P = "sglang_sidecar_"
-README = "README.md#the-dashboard"
+README = "docs/operate.md#the-dashboard"
 
 
 def q(expr: str, legend: str = "", ref: str = "A") -> Dataquery:

@@ -181,13 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--router-flags",
         choices=["defaults", "recommended", "both"],
         default="both",
-        help="the router at its defaults (breaker on, /health) or with the README's recommended flags",
+        help="the router at its defaults (breaker on, /health) or with the recommended flags (docs/routing.md)",
     )
     f.add_argument(
         "--answers",
         choices=["policy", "router", "both"],
         default="both",
-        help="the sidecars' answers as the policy says, or with the README's block for routers (413)",
+        help="the sidecars' answers as the policy says, or with the block for routers in docs/routing.md (413)",
     )
     return parser
 

@@ -131,14 +131,14 @@ async def test_promtool_check_metrics_on_live_metrics_is_clean(tmp_path: Path) -
     assert bad.returncode != 0 and "_total" in bad.stdout + bad.stderr
 
 
-async def test_readme_metrics_section_names_every_exported_metric(tmp_path: Path) -> None:
+async def test_operate_metrics_section_names_every_exported_metric(tmp_path: Path) -> None:
     async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
         text = (await client.get(url.admin + "/metrics")).text
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "operate.md").read_text()
+    section = page.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     for family in text_string_to_metric_families(text):
         # `_created` is prometheus-client's creation-time companion of each counter and histogram.
         if family.name.startswith(P) and not family.name.endswith("_created"):
             name = family.name.removeprefix(P)
             shown = name + "_total" if family.type == "counter" else name
-            assert f"`{shown}`" in section or f"`{shown}{{" in section, f"README Metrics lacks {shown}"
+            assert f"`{shown}`" in section or f"`{shown}{{" in section, f"docs/operate.md Metrics lacks {shown}"

@@ -472,7 +472,7 @@ class Answer(_Strict):
 
 class Answers(_Strict):
     """Status and headers per rejection reason. The defaults suit a client talking to one lane; behind
-    a router, see the README's "Behind a router" for the block that keeps its circuit breaker closed.
+    a router, see docs/routing.md, "Behind a router", for the block that keeps its circuit breaker closed.
 
     ``unfit_context``: prompt + max_new_tokens beyond the context (an exact count): SGLang answers 400,
     so do we, and the request never reaches the engine. ``unfit_lane``: larger than this lane can ever
