@@ -64,10 +64,13 @@ class SidecarApp:
         admin_on_data_port: bool = False,
         host_check: HostCheck | None = None,
         admin_host_check: HostCheck | None = LOCAL_NAMES_ONLY,
+        policy_watch_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``host_check``: the Host values the data port answers (None: any); ``admin_host_check``:
-        the admin port's (by default IP literals and localhost only: no DNS rebinding)."""
+        the admin port's (by default IP literals and localhost only: no DNS rebinding);
+        ``policy_watch_s``: how often the policy file is looked at for a change (0: only on SIGHUP)."""
+        self.policy_watch_s = policy_watch_s
         self.upstream = upstream.rstrip("/")
         self.clock = clock
         self.gpu_source = gpu_source
@@ -230,6 +233,8 @@ class SidecarApp:
             asyncio.get_running_loop().add_signal_handler(
                 signal.SIGHUP, lambda: self._spawn(self.reload_from_file(), "policy-reload")
             )
+        if self.policy_path is not None and self.policy_watch_s > 0:
+            self._tasks.append(asyncio.create_task(self._watch_policy(), name="policy-watch"))
 
     async def drain(self, timeout_s: float) -> bool:
         """SIGTERM: stop admitting (new and held requests get 503 ``draining``, ``/readyz`` fails) while
@@ -372,6 +377,14 @@ class SidecarApp:
         """SIGHUP. Logged, recorded and counted by the policy source, like an upload; the file and the
         tokenizer are read in a worker thread (see :meth:`apply_policy`)."""
         await asyncio.to_thread(self.policy_source.reload_file)
+
+    async def _watch_policy(self) -> None:
+        """The mounted policy file, looked at every ``policy_watch_s``: a ConfigMap update or an edit
+        applies without a signal (no reloader container, no shared process namespace). The look and
+        a reload run in a worker thread, as SIGHUP's do."""
+        while True:
+            await asyncio.to_thread(self.policy_source.reload_if_changed)
+            await asyncio.sleep(self.policy_watch_s)
 
     def apply_policy(self, loaded: LoadedPolicy) -> None:
         """Swap the policy; a tokenizer that fails to load refuses the whole policy (raises PolicyError).

@@ -299,6 +299,7 @@ def _serve_with(settings: Any) -> int:
         admin_on_data_port=settings.admin_on_data_port,
         host_check=settings.host_check(),
         admin_host_check=settings.admin_host_check(),
+        policy_watch_s=settings.policy_watch_s,
     )
     logging.getLogger("sidecar").info(
         "sglang-sidecar %s starting: upstream %s, listen %s, admin %s, policy %s (sha256 %s), mode %s, "

@@ -60,6 +60,13 @@ class Settings(BaseSettings):
         metavar="NAMES",
     )
     policy: Path = _opt(help="lane policy YAML (see policies/)", metavar="FILE")
+    policy_watch_s: float = _opt(
+        2.0,
+        ge=0,
+        help="look at the policy file this often and apply it when it changed (a ConfigMap update, an "
+        "edit; refused and logged when invalid); 0: only on SIGHUP",
+        metavar="S",
+    )
     gpu_source: str | None = _opt(
         None,
         help="where free GPU memory is read: nvml | nvml:<uuid>[,<uuid>] | dcgm:<url> | file:<path>; "

@@ -141,4 +141,6 @@ async def test_operate_metrics_section_names_every_exported_metric(tmp_path: Pat
         if family.name.startswith(P) and not family.name.endswith("_created"):
             name = family.name.removeprefix(P)
             shown = name + "_total" if family.type == "counter" else name
-            assert f"`{shown}`" in section or f"`{shown}{{" in section, f"docs/operate.md Metrics lacks {shown}"
+            assert f"`{shown}`" in section or f"`{shown}{{" in section, (
+                f"docs/operate.md Metrics lacks {shown}"
+            )
