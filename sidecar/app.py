@@ -39,6 +39,7 @@ from sidecar.ops.telemetry import StateCollector, Telemetry, register_process_me
 from sidecar.policy.engine_routes import RouteTable, normalize_path
 from sidecar.policy.schema import LoadedPolicy, PolicyError
 from sidecar.policy.source import PolicySource
+from sidecar.settings import EXIT_NOT_STARTED
 from sidecar.signals.engine import EngineScraper, Sooner, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
 
@@ -182,8 +183,14 @@ class SidecarApp:
                 try:
                     await self.startup()
                 except Exception as e:
+                    # Said once, by the sidecar's own logger in the chosen format (not uvicorn's).
+                    log.error(
+                        "start-up failed: %s",
+                        e,
+                        extra={"fields": {"event": "startup_failed", "exit_code": EXIT_NOT_STARTED}},
+                    )
                     await self.shutdown()
-                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    await send({"type": "lifespan.startup.failed", "message": ""})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":

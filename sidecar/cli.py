@@ -21,8 +21,17 @@ from pydantic import ValidationError
 from sidecar import __version__
 from sidecar.http.server import ServingLimits, uvicorn_options
 from sidecar.policy.schema import PolicyError, load_policy_file
+from sidecar.settings import EXIT_NOT_STARTED, EXIT_USAGE
 
-EXIT_USAGE = 2
+# What a script or a service manager can act on; `--help` prints it.
+EXIT_STATUS = (
+    "exit status: 0 done (serve: stopped by SIGTERM after its drain; check-policy: valid); "
+    "1 the check failed (wait: not ready in time; demo: the gated engine crashed); "
+    "2 usage: an invalid flag, environment variable, policy (file:line: field: problem) or GPU source; "
+    "3 valid but not started or nothing to show (serve: the GPU source cannot be read or a port is "
+    "taken, the reason logged in --log-format; calibrate: nothing proposed); "
+    "141 the reader of standard output left (a closed pipe)."
+)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -40,8 +49,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "Ports: --listen serves clients (the engine's paths, /healthz, /readyz); --admin-listen serves "
         "/admission/* and /metrics (SECURITY.md).\n"
         "Reload the policy with SIGHUP or POST /admission/policy on the admin port (bearer token; "
-        "written to the policy file). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener "
-        "closes. A second SIGTERM exits at once.",
+        "written to the policy file); a changed policy file is applied within --policy-watch-s. SIGTERM "
+        "drains: /readyz says 503 draining, in-flight requests finish, then the listener closes. A second "
+        "SIGTERM exits at once.\n"
+        "Exit status: 0 stopped by SIGTERM after the drain; 2 invalid flags, environment, policy, GPU source "
+        "spec or token file (nothing started); 3 could not start: the GPU source cannot be read, or a port "
+        "is taken (the reason is logged, in --log-format, with event=startup_failed).",
     )
     for name, field in Settings.model_fields.items():
         kwargs: dict[str, Any] = {}
@@ -100,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sglang-sidecar",
         description="Admission control for SGLang: hold or reject the requests that would push the engine "
         "out of GPU memory, Mamba slots or its queue.",
+        epilog=EXIT_STATUS[0].upper()
+        + EXIT_STATUS[1:]
+        + " `sglang-sidecar COMMAND --help` for each command.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -253,17 +269,25 @@ def _serve(args: argparse.Namespace) -> int:
         pipeline.stop()
 
 
+def _not_started(message: str, status: int = EXIT_USAGE) -> int:
+    """A start-up failure, through the sidecar's logger in --log-format (a JSON log collector sees it
+    as one more object, ``event=startup_failed``), and the exit status that says which kind."""
+    logging.getLogger("sidecar").error(
+        "not started: %s", message, extra={"fields": {"event": "startup_failed", "exit_code": status}}
+    )
+    return status
+
+
 def _serve_with(settings: Any) -> int:
     try:
         loaded = load_policy_file(settings.policy)
     except PolicyError as e:
-        print(str(e), file=sys.stderr)
-        return EXIT_USAGE
+        return _not_started(str(e))
     from sidecar.signals.gpu import parse_gpu_source
 
     if settings.gpu_source is None:
         if loaded.policy.gpu.required:
-            return _fail(
+            return _not_started(
                 "no GPU source: pass --gpu-source (nvml, nvml:<uuid>, dcgm:<url>, file:<path>) or set "
                 f"gpu.required: false in {settings.policy} to run without the VRAM constraint"
             )
@@ -272,11 +296,11 @@ def _serve_with(settings: Any) -> int:
         try:
             gpu = parse_gpu_source(settings.gpu_source)
         except ValueError as e:
-            return _fail(f"--gpu-source: {e}")
+            return _not_started(f"--gpu-source: {e}")
     try:
         token = settings.admin_token()
     except (OSError, ValueError) as e:
-        return _fail(f"--admin-token-file: {e}")
+        return _not_started(f"--admin-token-file: {e}")
     # A decision-log file holds one JSON object per line (replay reads it back); without one, decision
     # lines go through the log pipeline in --log-format.
     decision_log = open(settings.decision_log, "a", encoding="utf-8") if settings.decision_log else None  # noqa: SIM115
@@ -412,7 +436,7 @@ def run_uvicorn(
     server = DrainingServer(config)
     if admin is None:
         server.run()
-        return 0 if server.started else 3
+        return 0 if server.started else EXIT_NOT_STARTED
 
     class AdminServer(uvicorn.Server):
         @contextlib.contextmanager
@@ -444,19 +468,17 @@ def run_uvicorn(
         admin_task = asyncio.create_task(serve_admin())
         while not admin_server.started:
             if admin_task.done():
-                # uvicorn has logged why (the address is in use, or not this machine's).
-                print(
-                    f"sglang-sidecar: error: cannot listen on --admin-listen {admin_host}:{admin_port}",
-                    file=sys.stderr,
+                # uvicorn has logged why (the address is in use, or not this machine's: StartupWords).
+                return _not_started(
+                    f"cannot listen on --admin-listen {admin_host}:{admin_port}", EXIT_NOT_STARTED
                 )
-                return 3
             await asyncio.sleep(0.01)
         try:
             await server.serve()
         finally:
             admin_server.should_exit = True
             await admin_task
-        return 0 if server.started else 3
+        return 0 if server.started else EXIT_NOT_STARTED
 
     # The loop uvicorn would pick for itself (uvloop when installed, as `uvicorn[standard]` installs
     # it): `server.run()` chooses it, a bare `asyncio.run` would not, and the stdlib loop costs the

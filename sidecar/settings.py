@@ -16,6 +16,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sidecar.http.hosts import HostCheck
 from sidecar.http.server import ServingLimits
 
+# serve's exit statuses (`serve --help` lists them; docs/operate.md too).
+EXIT_USAGE = 2  # invalid flags, environment, policy, GPU source spec or token file: nothing started
+EXIT_NOT_STARTED = 3  # valid, but could not start: the GPU source unreadable, a port taken
+
 
 class Mode(StrEnum):
     ENFORCE = "enforce"
