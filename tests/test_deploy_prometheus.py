@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from tests.test_docs import anchors
@@ -63,3 +65,11 @@ def test_every_alert_has_a_runbook_an_absolute_url_and_a_section() -> None:
 
 def test_severities_are_what_alertmanager_routes() -> None:
     assert {r["labels"]["severity"] for r in alert_rules()} == {"critical", "warning"}
+
+
+def test_the_operate_page_lists_each_alerts_severity() -> None:
+    page = (ROOT / "docs" / "operate.md").read_text()
+    table = {}
+    for names, severity in re.findall(r"^\| (Sidecar[^|]+) \| (critical|warning) \|$", page, re.M):
+        table.update(dict.fromkeys((n.strip() for n in names.split(",")), severity))
+    assert table == {r["alert"]: r["labels"]["severity"] for r in alert_rules()}
