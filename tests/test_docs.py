@@ -83,3 +83,26 @@ def test_a_broken_anchor_is_caught(tmp_path: Path) -> None:
     page.write_text("# Title\n\n## Real one\n\n[x](#real-one) [y](#gone)\n")
     found = [t for t in links(page) if t.lstrip("#") not in anchors(page)]
     assert found == ["#gone"]
+
+
+def test_the_policy_reference_names_every_field() -> None:
+    """docs/policies.md's table has a row for every field of the schema (a new field without one fails)."""
+    from sidecar.policy.schema import Policy
+    from sidecar.policy.wording import model_at
+
+    page = (ROOT / "docs" / "policies.md").read_text(encoding="utf-8")
+    rows = " ".join(re.findall(r"^\| (.+?) \|", page, re.M))
+    named = set(re.findall(r"`([a-z_.]+)`", rows))
+
+    def fields(model: type, prefix: str = "") -> list[str]:
+        out = []
+        for name in model.model_fields:
+            path = prefix + name
+            out.append(path)
+            sub = model_at(model, (name,))
+            if sub is not None and name != "answers":  # answers' entries are one shape, described once
+                out += fields(sub, path + ".")
+        return out
+
+    missing = [f for f in fields(Policy) if f not in named]
+    assert not missing, f"docs/policies.md's reference lacks {missing}"
