@@ -150,19 +150,19 @@ def test_the_policys_idle_figure_is_exported_only_when_it_states_one() -> None:
     """The dashboard sets the measured idle figure against the policy's: a policy with a figure
     exports it, one that says `auto` (or none) exports nothing rather than a 0."""
     from sidecar.ops.telemetry import policy_limits
+    from sidecar.policy.in_force import rules_of
     from sidecar.policy.schema import load_policy_file
     from tests.conftest import ROOT
 
-    def idle(policy: str) -> list[float]:
-        p = load_policy_file(ROOT / "policies" / policy).policy
+    def idle(policy: object) -> list[float]:
         return [
             s.value
-            for fam in policy_limits(p)
+            for fam in policy_limits(rules_of(policy))  # type: ignore[arg-type]
             for s in fam.samples
-            if s.name == "sglang_sidecar_policy_idle_free_bytes"
+            if "idle_free" in s.name
         ]
 
     old = load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml").policy
-    assert idle("maxq-qwen3next-old.yaml") == [float(old.vram.idle_free_bytes)]
+    assert idle(old) == [float(old.vram.idle_free_bytes)]  # type: ignore[arg-type]
     auto = old.model_copy(update={"vram": old.vram.model_copy(update={"idle_free_bytes": "auto"})})
-    assert [s for fam in policy_limits(auto) for s in fam.samples if "idle_free" in s.name] == []
+    assert idle(auto) == []
