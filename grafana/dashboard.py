@@ -29,7 +29,7 @@ OUT = Path(__file__).resolve().parent / "dashboards" / "sglang-sidecar.json"
 DS = m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'lane=~"$lane", instance=~"$instance"'
 P = "sglang_sidecar_"
-README = "docs/operate.md#the-dashboard"
+DOCS = "docs/operate.md#the-dashboard"
 
 
 def q(expr: str, legend: str = "", ref: str = "A") -> Dataquery:
@@ -373,7 +373,7 @@ def build() -> d.Dashboard:
         .uid(UID)
         .description(
             "Admission gate of SGLang lanes: is it open, what it decides and why, the memory and "
-            "engine signals it decides on. Metrics and alerts: " + README
+            "engine signals it decides on. Metrics and alerts: " + DOCS
         )
         .tags(["sglang", "sglang-sidecar"])
         .refresh("30s")
