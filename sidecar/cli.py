@@ -258,8 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**given)
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-        return _fail("invalid settings (flags or SIDECAR_* environment):\n" + "\n".join(lines))
+        return _invalid_settings(e, given.get("log_format") or os.environ.get("SIDECAR_LOG_FORMAT"))
     from sidecar.ops.logs import setup_logging
 
     pipeline = setup_logging(settings.log_level, settings.log_format, max_queue=settings.log_queue_lines)
@@ -267,6 +266,25 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_with(settings)
     finally:
         pipeline.stop()
+
+
+def _invalid_settings(e: ValidationError, log_format: str | None) -> int:
+    """Each bad setting by its flag and variable, in the file's terms (no pydantic wording); through
+    the log in --log-format when that one is valid, else plainly on stderr."""
+    from sidecar.ops.logs import LOG_FORMATS, installed
+    from sidecar.policy.wording import humane
+    from sidecar.settings import Settings
+
+    lines = []
+    for err in e.errors():
+        loc, msg = humane(err, Settings)  # type: ignore[arg-type]
+        name = str(loc[0]) if loc else "?"
+        lines.append(f"  --{name.replace('_', '-')} [SIDECAR_{name.upper()}]: {msg}")
+    message = "invalid settings (flags or SIDECAR_* environment):\n" + "\n".join(lines)
+    if log_format in LOG_FORMATS:
+        with installed("info", log_format):
+            return _not_started(message)
+    return _fail(message)
 
 
 def _not_started(message: str, status: int = EXIT_USAGE) -> int:

@@ -104,3 +104,13 @@ def test_help_documents_the_exit_statuses() -> None:
             [sys.executable, "-m", "sidecar", "--help"], capture_output=True, text=True, check=True
         ).stdout
     )
+
+
+def test_invalid_settings_name_the_flag_and_variable_in_the_chosen_format() -> None:
+    r = serve("--policy", str(POLICY), "--drain-timeout-s", "-1", "--upstream", "localhost:30000")
+    assert r.returncode == 2
+    (said,) = errors(r.stderr)
+    assert said["event"] == "startup_failed"
+    assert "--drain-timeout-s [SIDECAR_DRAIN_TIMEOUT_S]: must be at least 0, got -1" in said["message"]
+    assert "--upstream [SIDECAR_UPSTREAM]: upstream must be an http:// or https:// URL" in said["message"]
+    assert not any(w in said["message"] for w in ("Value error", "Input should"))
