@@ -240,21 +240,29 @@ async def test_the_watched_policy_file_applies_on_change_without_a_signal(tmp_pa
             async def state() -> dict:
                 return (await client.get(url.admin + "/admission/state")).json()["policy"]
 
+            def recorded(name: str) -> bool:  # applied, and the attempt recorded (after the swap)
+                rec = app.policy_source.last_reload
+                return rec is not None and rec.result == "applied" and rec.policy == name
+
             configmap_mount(mount, policy_yaml("v2"), 2)  # the kubelet's swap of ..data
-            await eventually(lambda: app.admission.loaded.policy.name == "v2")
+            await eventually(lambda: recorded("v2"))
+            assert app.admission.loaded.policy.name == "v2"
             assert (await state())["last_reload"]["via"] == "file_change"
 
             configmap_mount(mount, "name: [broken\n", 3)
             await eventually(lambda: app.policy_source.last_failure is not None)
             assert app.admission.loaded.policy.name == "v2"  # refused: the running one stays
-            failures = reloads((await client.get(url.admin + "/metrics")).text)
-            assert failures.get("refused") == 1
+
+            async def counted(want: dict[str, float]) -> bool:  # counted after it is recorded
+                return reloads((await client.get(url.admin + "/metrics")).text) == want
+
+            await eventually(lambda: counted({"applied": 1.0, "refused": 1.0}))
 
             # Edited in place (not through the symlink's target directory): seen by mtime and size.
             (mount / "..2026_12_06_03" / "policy.yaml").write_text(policy_yaml("v3-edited"))
-            await eventually(lambda: app.admission.loaded.policy.name == "v3-edited")
-            counts = reloads((await client.get(url.admin + "/metrics")).text)
-            assert counts == {"applied": 2.0, "refused": 1.0}, counts
+            await eventually(lambda: recorded("v3-edited"))
+            assert app.admission.loaded.policy.name == "v3-edited"
+            await eventually(lambda: counted({"applied": 2.0, "refused": 1.0}))
 
 
 def test_an_unchanged_or_rewritten_identical_file_reloads_nothing(tmp_path: Path) -> None:
