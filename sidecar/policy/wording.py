@@ -82,20 +82,28 @@ def _one_of(choices: Sequence[str]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
+# pydantic's error kinds whose message is "expected <this>, got <what the file holds>".
+_EXPECTED = {
+    **dict.fromkeys(("tuple_type", "list_type", "set_type", "frozen_set_type"), "a list"),
+    **dict.fromkeys(("bool_type", "bool_parsing"), "true or false"),
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "a whole number"),
+    **dict.fromkeys(("float_type", "float_parsing", "finite_number"), "a finite number"),
+    "string_type": "text",
+}
+_BOUNDS = {
+    "greater_than": "greater than",
+    "greater_than_equal": "at least",
+    "less_than": "less than",
+    "less_than_equal": "at most",
+}
+
+
 def humane(err: dict[str, Any], model: type[BaseModel]) -> tuple[Loc, str]:
     """(location, message) for one pydantic error, in the file's terms."""
     loc: Loc = tuple(err["loc"])
-    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
-    msg = err["msg"]
+    kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
-        parent = model_at(model, loc[:-1])
-        known = _fields(parent)
-        what = "section" if len(loc) == 1 else "field"
-        where = f" in {'.'.join(map(str, loc[:-1]))}" if len(loc) > 1 else ""
-        close = suggest(loc[-1], known)
-        if close:
-            return loc, f"unknown {what}{where}; did you mean {close!r}?"
-        return loc, f"unknown {what}{where}; known: {', '.join(known)}" if known else f"unknown {what}{where}"
+        return loc, _unknown(loc, model)
     if kind == "missing":
         return loc, MISSING_SECTION if model_at(model, loc) is not None else MISSING_FIELD
     if kind in ("model_type", "model_attributes_type", "dict_type"):
@@ -103,34 +111,40 @@ def humane(err: dict[str, Any], model: type[BaseModel]) -> tuple[Loc, str]:
         if sub is None:
             return loc, f"expected a mapping (name: value), got {describe(value)}"
         return loc, f"expected a section with the fields {', '.join(_fields(sub))}; got {describe(value)}"
-    if kind in ("tuple_type", "list_type", "set_type", "frozen_set_type"):
-        return loc, f"expected a list, got {describe(value)}"
-    if kind in ("bool_type", "bool_parsing"):
-        return loc, f"expected true or false, got {describe(value)}"
-    if kind in ("int_type", "int_parsing", "int_from_float"):
-        return loc, f"expected a whole number, got {describe(value)}"
-    if kind in ("float_type", "float_parsing", "finite_number"):
-        return loc, f"expected a finite number, got {describe(value)}"
-    if kind in ("string_type",):
-        return loc, f"expected text, got {describe(value)}"
-    bounds = {"greater_than": "greater than", "greater_than_equal": "at least", "less_than": "less than"}
-    bounds["less_than_equal"] = "at most"
-    if kind in bounds:
-        limit = next(iter(ctx.values()), None)
-        return loc, f"must be {bounds[kind]} {_num(limit)}, got {_num(value)}"
+    if kind in _EXPECTED:
+        return loc, f"expected {_EXPECTED[kind]}, got {describe(value)}"
+    if kind in _BOUNDS:
+        limit = next(iter((err.get("ctx") or {}).values()), None)
+        return loc, f"must be {_BOUNDS[kind]} {_num(limit)}, got {_num(value)}"
     if kind in ("literal_error", "enum"):
-        expected = [str(c).strip("'") for c in str(ctx.get("expected", "")).replace(" or ", ", ").split(", ")]
-        if loc and loc[-1] == "[key]":  # a mapping's key (answers.reasons.<reason>): at the key itself
-            loc = loc[:-1]
-            close = suggest(loc[-1] if loc else value, expected)
-            if close:
-                return loc, f"unknown key; did you mean {close!r}?"
-            return loc, f"unknown key; expected {_one_of(expected)}"
-        close = suggest(value, expected)
-        tail = f"; did you mean {close!r}?" if close else ""
-        return loc, f"expected {_one_of(expected)}, got {describe(value)}{tail}"
+        return _choice(loc, value, str((err.get("ctx") or {}).get("expected", "")))
     # A validator's own message: pydantic prefixes it with its kind.
-    return loc, msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    return loc, err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+
+
+def _unknown(loc: Loc, model: type[BaseModel]) -> str:
+    """A key the model does not have: the name meant when one is close, else the names there are."""
+    known = _fields(model_at(model, loc[:-1]))
+    what = "section" if len(loc) == 1 else "field"
+    where = f" in {'.'.join(map(str, loc[:-1]))}" if len(loc) > 1 else ""
+    close = suggest(loc[-1], known)
+    if close:
+        return f"unknown {what}{where}; did you mean {close!r}?"
+    return f"unknown {what}{where}; known: {', '.join(known)}" if known else f"unknown {what}{where}"
+
+
+def _choice(loc: Loc, value: Any, expected_text: str) -> tuple[Loc, str]:
+    """One of a fixed set of values, or of keys (``answers.reasons.<reason>``: reported at the key)."""
+    expected = [c.strip().strip("'") for c in expected_text.replace(" or ", ", ").split(", ")]
+    if loc and loc[-1] == "[key]":
+        loc = loc[:-1]
+        close = suggest(loc[-1] if loc else value, expected)
+        if close:
+            return loc, f"unknown key; did you mean {close!r}?"
+        return loc, f"unknown key; expected {_one_of(expected)}"
+    close = suggest(value, expected)
+    tail = f"; did you mean {close!r}?" if close else ""
+    return loc, f"expected {_one_of(expected)}, got {describe(value)}{tail}"
 
 
 def merge_typos(problems: list[tuple[Loc, str]]) -> list[tuple[Loc, str]]:
