@@ -3,6 +3,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make demo`: the runtime and the emulator's plotting only, none of the test tools
+DEMO_STAMP := $(VENV)/.installed-demo
 # promtool, prometheus, systemd-analyze, logrotate, chromium for the deployment and status-page tests (scripts/tools.sh says how)
 TOOLS := .tools/bin/.installed
 # pytest-xdist workers for `make test` (the suite is mostly waiting on real servers; 2 fits CI's 2 cores)
@@ -14,9 +16,14 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
-venv: $(STAMP)
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[emulator]'
+	touch $(DEMO_STAMP)
+
+venv: $(DEMO_STAMP)
 
 $(TOOLS): scripts/tools.sh tests/crd/package-lock.json
 	bash scripts/tools.sh
@@ -24,7 +31,7 @@ $(TOOLS): scripts/tools.sh tests/crd/package-lock.json
 
 tools: $(TOOLS)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/sglang-sidecar demo
 
 test: $(STAMP) $(TOOLS)

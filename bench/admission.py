@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sidecar.policy.schema import LoadedPolicy, Policy, load_policy_file  # noqa: E402
+from sidecar.policy.wording import humane, suggest  # noqa: E402
 from sidecar_emulator import baselines as bl  # noqa: E402
 from sidecar_emulator.engine import EngineModel  # noqa: E402
 from sidecar_emulator.profiles import H200, MAXQ_BOUNDED, LaneProfile, MiB, get_profile  # noqa: E402
@@ -307,14 +308,15 @@ def with_overrides(loaded: LoadedPolicy, overrides: tuple[tuple[str, str], ...])
                 raise ValueError(f"{key}: no policy section {part!r}")
             node = node[part]
         if field not in node:
-            raise ValueError(f"{key}: no field {field!r} in {'.'.join(path) or 'the policy'}")
+            close = suggest(field, list(node))
+            meant = f"; did you mean {close!r}?" if close else ""
+            raise ValueError(f"{key}: no field {field!r} in {'.'.join(path) or 'the policy'}{meant}")
         node[field] = yaml.safe_load(text)
     try:
         policy = Policy.model_validate(data)
     except ValidationError as e:
-        raise ValueError(
-            "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-        ) from None
+        said = [humane(x, Policy) for x in e.errors()]  # type: ignore[arg-type]
+        raise ValueError("; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in said)) from None
     return LoadedPolicy(policy, loaded.sha256, loaded.path)
 
 

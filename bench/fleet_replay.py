@@ -4,7 +4,7 @@ many lanes. Deterministic (seeded), seconds per run, nothing but this process.
 Three experiments, each a table in ``bench/results/fleet-replay.md`` (rows also in ``fleet-replay.json``):
 
 1. ``scenarios/fleet/unfit-burst.yaml`` on 2 Max-Q lanes (the experiment ``bench/fleet.py`` runs on real
-   processes): every setup (router alone; sidecars with the policy's answers or the README's router
+   processes): every setup (router alone; sidecars with the policy's answers or docs/routing.md's router
    answers; the router at its defaults or with the recommended flags) under every rule.
 2. The same traffic on two lanes that are not alike (``scenarios/fleet/maxq-and-h200.fleet.yaml``: a
    Max-Q lane that cannot run 300K-token prompts, an H200 that can), sidecars only.

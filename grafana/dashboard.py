@@ -29,7 +29,7 @@ OUT = Path(__file__).resolve().parent / "dashboards" / "sglang-sidecar.json"
 DS = m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'lane=~"$lane", instance=~"$instance"'
 P = "sglang_sidecar_"
-README = "README.md#the-dashboard"
+DOCS = "docs/operate.md#the-dashboard"
 
 
 def q(expr: str, legend: str = "", ref: str = "A") -> Dataquery:
@@ -299,6 +299,53 @@ def build() -> d.Dashboard:
         desc="Reload attempts (SIGHUP or upload) by result.",
         w=8,
     )
+    margin = limit_line(
+        series(
+            "Cost margin: in force and the policy's",
+            "short",
+            q(f"max by (lane, instance) ({s('cost_margin')})", "in force"),
+            q(
+                f"max by (lane, instance) ({s('projection_underestimate_worst_ratio')})",
+                "worst observed / projected",
+            ),
+            q(f"max by (lane, instance) ({s('policy_cost_margin')})", "policy: cost.margin"),
+            desc="The monitor raises the margin in force above the policy's when a GPU reading shows the "
+            "engine holding more than the ledger projected (the under-prediction monitor); a policy load "
+            "starts again from the policy's. Apart for long: the lane no longer matches its calibration.",
+            w=8,
+        ),
+        "policy.*",
+    )
+    findings = series(
+        "Under-estimates and guard aborts",
+        "short",
+        q(
+            f"sum by (lane, instance) (increase({s('projection_underestimates_total')}[$__rate_interval]))",
+            "under-estimates found",
+        ),
+        q(
+            "sum by (lane, instance) (increase("
+            + s("requests_total", 'outcome="prefill_overrun"')
+            + "[$__rate_interval]))",
+            "prefills aborted by the guard",
+        ),
+        desc="GPU readings above the projection (alert SidecarProjectionUnderestimated) and admitted "
+        "prefills the in-flight guard stopped before their peak (SidecarPrefillOverrun).",
+        w=8,
+    )
+    idle = limit_line(
+        series(
+            "Idle free memory: measured and the policy's",
+            "bytes",
+            q(f"max by (lane, instance) ({s('idle_free_bytes')})", "measured (engine idle, this process)"),
+            q(f"min by (lane, instance) ({s('gpu_free_bytes')})", "GPU free now (min over devices)"),
+            q(f"max by (lane, instance) ({s('policy_idle_free_bytes')})", "policy: vram.idle_free_bytes"),
+            desc="The idle budget rests on the lane's idle free memory. Measured below the policy's "
+            "figure: the card has less than the policy counts on (a new build, a neighbour): recalibrate.",
+            w=8,
+        ),
+        "policy.*",
+    )
     process = series(
         "Sidecar process",
         "bytes",
@@ -326,7 +373,7 @@ def build() -> d.Dashboard:
         .uid(UID)
         .description(
             "Admission gate of SGLang lanes: is it open, what it decides and why, the memory and "
-            "engine signals it decides on. Metrics and alerts: " + README
+            "engine signals it decides on. Metrics and alerts: " + DOCS
         )
         .tags(["sglang", "sglang-sidecar"])
         .refresh("30s")
@@ -350,6 +397,10 @@ def build() -> d.Dashboard:
         .with_panel(engine)
         .with_panel(usage)
         .with_panel(pending)
+        .with_row(d.Row("The lane against its calibration"))
+        .with_panel(margin)
+        .with_panel(findings)
+        .with_panel(idle)
         .with_row(d.Row("Waiting"))
         .with_panel(hold_heat)
         .with_panel(hold_q)

@@ -39,6 +39,7 @@ from sidecar.ops.telemetry import StateCollector, Telemetry, register_process_me
 from sidecar.policy.engine_routes import RouteTable, normalize_path
 from sidecar.policy.schema import LoadedPolicy, PolicyError
 from sidecar.policy.source import PolicySource
+from sidecar.settings import EXIT_NOT_STARTED
 from sidecar.signals.engine import EngineScraper, Sooner, make_control_client
 from sidecar.signals.gpu import GpuPoller, GpuSource
 
@@ -64,10 +65,13 @@ class SidecarApp:
         admin_on_data_port: bool = False,
         host_check: HostCheck | None = None,
         admin_host_check: HostCheck | None = LOCAL_NAMES_ONLY,
+        policy_watch_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``host_check``: the Host values the data port answers (None: any); ``admin_host_check``:
-        the admin port's (by default IP literals and localhost only: no DNS rebinding)."""
+        the admin port's (by default IP literals and localhost only: no DNS rebinding);
+        ``policy_watch_s``: how often the policy file is looked at for a change (0: only on SIGHUP)."""
+        self.policy_watch_s = policy_watch_s
         self.upstream = upstream.rstrip("/")
         self.clock = clock
         self.gpu_source = gpu_source
@@ -179,8 +183,14 @@ class SidecarApp:
                 try:
                     await self.startup()
                 except Exception as e:
+                    # Said once, by the sidecar's own logger in the chosen format (not uvicorn's).
+                    log.error(
+                        "start-up failed: %s",
+                        e,
+                        extra={"fields": {"event": "startup_failed", "exit_code": EXIT_NOT_STARTED}},
+                    )
                     await self.shutdown()
-                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    await send({"type": "lifespan.startup.failed", "message": ""})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
@@ -233,6 +243,8 @@ class SidecarApp:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             # logrotate renamed the decision log: the next batch goes to a new file at its path.
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self.telemetry.reopen_decision_log)
+        if self.policy_path is not None and self.policy_watch_s > 0:
+            self._tasks.append(asyncio.create_task(self._watch_policy(), name="policy-watch"))
 
     async def drain(self, timeout_s: float) -> bool:
         """SIGTERM: stop admitting (new and held requests get 503 ``draining``, ``/readyz`` fails) while
@@ -375,6 +387,14 @@ class SidecarApp:
         """SIGHUP. Logged, recorded and counted by the policy source, like an upload; the file and the
         tokenizer are read in a worker thread (see :meth:`apply_policy`)."""
         await asyncio.to_thread(self.policy_source.reload_file)
+
+    async def _watch_policy(self) -> None:
+        """The mounted policy file, looked at every ``policy_watch_s``: a ConfigMap update or an edit
+        applies without a signal (no reloader container, no shared process namespace). The look and
+        a reload run in a worker thread, as SIGHUP's do."""
+        while True:
+            await asyncio.to_thread(self.policy_source.reload_if_changed)
+            await asyncio.sleep(self.policy_watch_s)
 
     def apply_policy(self, loaded: LoadedPolicy) -> None:
         """Swap the policy; a tokenizer that fails to load refuses the whole policy (raises PolicyError).

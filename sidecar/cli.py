@@ -21,8 +21,17 @@ from pydantic import ValidationError
 from sidecar import __version__
 from sidecar.http.server import ServingLimits, uvicorn_options
 from sidecar.policy.schema import PolicyError, load_policy_file
+from sidecar.settings import EXIT_NOT_STARTED, EXIT_USAGE
 
-EXIT_USAGE = 2
+# What a script or a service manager can act on; `--help` prints it.
+EXIT_STATUS = (
+    "exit status: 0 done (serve: stopped by SIGTERM after its drain; check-policy: valid); "
+    "1 the check failed (wait: not ready in time; demo: the gated engine crashed); "
+    "2 usage: an invalid flag, environment variable, policy (file:line: field: problem) or GPU source; "
+    "3 valid but not started or nothing to show (serve: the GPU source cannot be read or a port is "
+    "taken, the reason logged in --log-format; calibrate: nothing proposed); "
+    "141 the reader of standard output left (a closed pipe)."
+)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -40,8 +49,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "Ports: --listen serves clients (the engine's paths, /healthz, /readyz); --admin-listen serves "
         "/admission/* and /metrics (SECURITY.md).\n"
         "Reload the policy with SIGHUP or POST /admission/policy on the admin port (bearer token; "
-        "written to the policy file). SIGUSR1 reopens --decision-log (after logrotate renamed it). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener "
-        "closes. A second SIGTERM exits at once.",
+        "written to the policy file); a changed policy file is applied within --policy-watch-s. SIGUSR1 "
+        "reopens --decision-log (after logrotate renamed it). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener closes. A second "
+        "SIGTERM exits at once.\n"
+        "Exit status: 0 stopped by SIGTERM after the drain; 2 invalid flags, environment, policy, GPU source "
+        "spec or token file (nothing started); 3 could not start: the GPU source cannot be read, or a port "
+        "is taken (the reason is logged, in --log-format, with event=startup_failed).",
     )
     for name, field in Settings.model_fields.items():
         kwargs: dict[str, Any] = {}
@@ -100,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sglang-sidecar",
         description="Admission control for SGLang: hold or reject the requests that would push the engine "
         "out of GPU memory, Mamba slots or its queue.",
+        epilog=EXIT_STATUS[0].upper()
+        + EXIT_STATUS[1:]
+        + " `sglang-sidecar COMMAND --help` for each command.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -209,13 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--router-flags",
         choices=["defaults", "recommended", "both"],
         default="both",
-        help="the router at its defaults (breaker on, /health) or with the README's recommended flags",
+        help="the router at its defaults (breaker on, /health) or with the recommended flags (docs/routing.md)",
     )
     f.add_argument(
         "--answers",
         choices=["policy", "router", "both"],
         default="both",
-        help="the sidecars' answers as the policy says, or with the README's block for routers (413)",
+        help="the sidecars' answers as the policy says, or with the block for routers in docs/routing.md (413)",
     )
     return parser
 
@@ -272,8 +288,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**given)
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-        return _fail("invalid settings (flags or SIDECAR_* environment):\n" + "\n".join(lines))
+        return _invalid_settings(e, given.get("log_format") or os.environ.get("SIDECAR_LOG_FORMAT"))
     from sidecar.ops.logs import setup_logging
 
     pipeline = setup_logging(settings.log_level, settings.log_format, max_queue=settings.log_queue_lines)
@@ -283,17 +298,44 @@ def _serve(args: argparse.Namespace) -> int:
         pipeline.stop()
 
 
+def _invalid_settings(e: ValidationError, log_format: str | None) -> int:
+    """Each bad setting by its flag and variable, in the file's terms (no pydantic wording); through
+    the log in --log-format when that one is valid, else plainly on stderr."""
+    from sidecar.ops.logs import LOG_FORMATS, installed
+    from sidecar.policy.wording import humane
+    from sidecar.settings import Settings
+
+    lines = []
+    for err in e.errors():
+        loc, msg = humane(err, Settings)  # type: ignore[arg-type]
+        name = str(loc[0]) if loc else "?"
+        lines.append(f"  --{name.replace('_', '-')} [SIDECAR_{name.upper()}]: {msg}")
+    message = "invalid settings (flags or SIDECAR_* environment):\n" + "\n".join(lines)
+    if log_format in LOG_FORMATS:
+        with installed("info", log_format):
+            return _not_started(message)
+    return _fail(message)
+
+
+def _not_started(message: str, status: int = EXIT_USAGE) -> int:
+    """A start-up failure, through the sidecar's logger in --log-format (a JSON log collector sees it
+    as one more object, ``event=startup_failed``), and the exit status that says which kind."""
+    logging.getLogger("sidecar").error(
+        "not started: %s", message, extra={"fields": {"event": "startup_failed", "exit_code": status}}
+    )
+    return status
+
+
 def _serve_with(settings: Any) -> int:
     try:
         loaded = load_policy_file(settings.policy)
     except PolicyError as e:
-        print(str(e), file=sys.stderr)
-        return EXIT_USAGE
+        return _not_started(str(e))
     from sidecar.signals.gpu import parse_gpu_source
 
     if settings.gpu_source is None:
         if loaded.policy.gpu.required:
-            return _fail(
+            return _not_started(
                 "no GPU source: pass --gpu-source (nvml, nvml:<uuid>, dcgm:<url>, file:<path>) or set "
                 f"gpu.required: false in {settings.policy} to run without the VRAM constraint"
             )
@@ -302,11 +344,11 @@ def _serve_with(settings: Any) -> int:
         try:
             gpu = parse_gpu_source(settings.gpu_source)
         except ValueError as e:
-            return _fail(f"--gpu-source: {e}")
+            return _not_started(f"--gpu-source: {e}")
     try:
         token = settings.admin_token()
     except (OSError, ValueError) as e:
-        return _fail(f"--admin-token-file: {e}")
+        return _not_started(f"--admin-token-file: {e}")
     # A decision-log file holds one JSON object per line (replay reads it back); without one, decision
     # lines go through the log pipeline in --log-format.
     # SIGUSR1 reopens it (logrotate); --decision-log-max-bytes rolls it over (sidecar/ops/decision_file.py).
@@ -319,7 +361,7 @@ def _serve_with(settings: Any) -> int:
                 settings.decision_log, settings.decision_log_max_bytes, settings.decision_log_backups
             )
         except OSError as e:
-            return _fail(f"--decision-log: cannot open {settings.decision_log}: {e.strerror or e}")
+            return _not_started(f"--decision-log: cannot open {settings.decision_log}: {e.strerror or e}")
     from sidecar.app import SidecarApp
     from sidecar.ops.telemetry import sidecar_version
 
@@ -339,6 +381,7 @@ def _serve_with(settings: Any) -> int:
         admin_on_data_port=settings.admin_on_data_port,
         host_check=settings.host_check(),
         admin_host_check=settings.admin_host_check(),
+        policy_watch_s=settings.policy_watch_s,
     )
     logging.getLogger("sidecar").info(
         "sglang-sidecar %s starting: upstream %s, listen %s, admin %s, policy %s (sha256 %s), mode %s, "
@@ -451,7 +494,7 @@ def run_uvicorn(
     server = DrainingServer(config)
     if admin is None:
         server.run()
-        return 0 if server.started else 3
+        return 0 if server.started else EXIT_NOT_STARTED
 
     class AdminServer(uvicorn.Server):
         @contextlib.contextmanager
@@ -483,19 +526,17 @@ def run_uvicorn(
         admin_task = asyncio.create_task(serve_admin())
         while not admin_server.started:
             if admin_task.done():
-                # uvicorn has logged why (the address is in use, or not this machine's).
-                print(
-                    f"sglang-sidecar: error: cannot listen on --admin-listen {admin_host}:{admin_port}",
-                    file=sys.stderr,
+                # uvicorn has logged why (the address is in use, or not this machine's: StartupWords).
+                return _not_started(
+                    f"cannot listen on --admin-listen {admin_host}:{admin_port}", EXIT_NOT_STARTED
                 )
-                return 3
             await asyncio.sleep(0.01)
         try:
             await server.serve()
         finally:
             admin_server.should_exit = True
             await admin_task
-        return 0 if server.started else 3
+        return 0 if server.started else EXIT_NOT_STARTED
 
     # The loop uvicorn would pick for itself (uvloop when installed, as `uvicorn[standard]` installs
     # it): `server.run()` chooses it, a bare `asyncio.run` would not, and the stdlib loop costs the

@@ -16,6 +16,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sidecar.http.hosts import HostCheck
 from sidecar.http.server import ServingLimits
 
+# serve's exit statuses (`serve --help` lists them; docs/operate.md too).
+EXIT_USAGE = 2  # invalid flags, environment, policy, GPU source spec or token file: nothing started
+EXIT_NOT_STARTED = 3  # valid, but could not start: the GPU source unreadable, a port taken
+
 
 class Mode(StrEnum):
     ENFORCE = "enforce"
@@ -60,6 +64,13 @@ class Settings(BaseSettings):
         metavar="NAMES",
     )
     policy: Path = _opt(help="lane policy YAML (see policies/)", metavar="FILE")
+    policy_watch_s: float = _opt(
+        2.0,
+        ge=0,
+        help="look at the policy file this often and apply it when it changed (a ConfigMap update, an "
+        "edit; refused and logged when invalid); 0: only on SIGHUP",
+        metavar="S",
+    )
     gpu_source: str | None = _opt(
         None,
         help="where free GPU memory is read: nvml | nvml:<uuid>[,<uuid>] | dcgm:<url> | file:<path>; "

@@ -40,7 +40,7 @@ ROUTER_ANSWERS: dict[str, Any] = {
     # router does not retry and clients do not either. Busy answers stay 503 so it tries another lane.
     "unfit_lane": {"status": 413, "retry_after": False, "should_retry": False},
 }
-# The router flags the README recommends with the sidecar: admission answers are not worker failures
+# The router flags docs/routing.md recommends with the sidecar: admission answers are not worker failures
 # (every non-2xx counts against the breaker in sglang-router 0.3.2), so the breaker is off and a lane
 # whose engine is really gone is ejected by the health check on the sidecar's /readyz instead.
 RECOMMENDED_ROUTER_FLAGS = [

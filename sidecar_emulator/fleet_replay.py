@@ -110,7 +110,7 @@ class RouterFlags:
 
     @classmethod
     def from_args(cls, name: str, args: Sequence[str]) -> RouterFlags:
-        """The flags as written on the router's command line (the README's recommended list)."""
+        """The flags as written on the router's command line (docs/routing.md's recommended list)."""
         names = {
             "--retry-max-retries": ("retries", int),
             "--cb-failure-threshold": ("cb_failure_threshold", int),
@@ -600,7 +600,7 @@ def run_fleet(scenario: Scenario, lanes: list[LaneSetup], **kw: Any) -> dict[str
 
 
 def with_router_answers(loaded: LoadedPolicy) -> LoadedPolicy:
-    """The policy with the README's ``answers:`` block for routers (unfit_lane: 413, never retried)."""
+    """The policy with docs/routing.md's ``answers:`` block for routers (unfit_lane: 413, never retried)."""
     p = loaded.policy
     answers = p.answers.model_dump() | ROUTER_ANSWERS
     return LoadedPolicy(

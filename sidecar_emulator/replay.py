@@ -782,8 +782,11 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 def plot_path_problem(out: str) -> str | None:
     """Why a picture cannot be written to ``out`` (checked before an hour of replay), or None."""
+    import importlib.util
     import os
 
+    if importlib.util.find_spec("matplotlib") is None:
+        return "plots need matplotlib, which `pip install sglang-sidecar` leaves out: pip install 'sglang-sidecar[emulator]'"
     p = Path(out)
     if p.is_dir():
         return "is a directory; give a file name such as night.png"

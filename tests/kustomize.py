@@ -27,6 +27,15 @@ SUPPORTED = {
 CLUSTER_SCOPED = {"Namespace", "DeviceClass", "ClusterRole", "ClusterRoleBinding"}
 
 
+def inside(directory: Path, rel: str) -> Path:
+    """A file the kustomization reads, refused outside its directory (kustomize's default
+    `--load-restrictor LoadRestrictionsRootOnly`; other kustomizations' directories are resources)."""
+    path = (directory / rel).resolve()
+    if not path.is_relative_to(directory.resolve()):
+        raise ValueError(f"{directory}/kustomization.yaml: {rel} is outside the kustomization's directory")
+    return path
+
+
 def build(directory: Path) -> list[dict[str, Any]]:
     k = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(k) - SUPPORTED
@@ -42,15 +51,15 @@ def build(directory: Path) -> list[dict[str, Any]]:
         if path.is_dir():
             out += build(path)
         else:
-            out += [d for d in yaml.safe_load_all(path.read_text()) if d]
+            out += [d for d in yaml.safe_load_all(inside(directory, res).read_text()) if d]
     for gen in k.get("configMapGenerator", []):
         data = {}
         for item in gen["files"]:
             key, _, rel = item.partition("=") if "=" in item else (Path(item).name, "", item)
-            data[key] = (directory / rel).read_text()
+            data[key] = inside(directory, rel).read_text()
         out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
     for patch in k.get("patches", []):
-        p = yaml.safe_load((directory / patch["path"]).read_text())
+        p = yaml.safe_load(inside(directory, patch["path"]).read_text())
         (target,) = [
             d for d in out if d["kind"] == p["kind"] and d["metadata"]["name"] == p["metadata"]["name"]
         ]

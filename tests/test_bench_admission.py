@@ -207,9 +207,9 @@ def test_policy_set_changes_the_sidecars_policy_validated_and_names_a_wrong_fiel
     assert changed.policy.monitor == shipped.policy.monitor
     assert bench.with_overrides(shipped, ()) is shipped
     for key, value, said in [
-        ("cost.margn", "1", "cost.margn: no field 'margn' in cost"),
+        ("cost.margn", "1", "cost.margn: no field 'margn' in cost; did you mean 'margin'?"),
         ("cots.margin", "1", "cots.margin: no policy section 'cots'"),
-        ("cost.margin", "0.5", "cost.margin: Input should be greater than or equal to 1"),
+        ("cost.margin", "0.5", "cost.margin: must be at least 1, got 0.5"),
     ]:
         with pytest.raises(ValueError) as e:
             bench.with_overrides(shipped, ((key, value),))

@@ -70,10 +70,14 @@ def test_check_policy_locates_errors(tmp_path: Path) -> None:
     assert r.returncode == 2
     lines = r.stderr.splitlines()
     line_no = next(i for i, t in enumerate(text.splitlines(), 1) if "max_requests: 2" in t)
-    assert any(
-        f"{bad}:{line_no}: engine_queue.max_requets: Extra inputs are not permitted" in x for x in lines
+    # A typo of a required field is one line, at the typo, naming the field it meant (not two: the
+    # typo unknown and the field missing); a bound says what it is and what the file holds.
+    assert (
+        f"  {bad}:{line_no}: engine_queue.max_requets: unknown field in engine_queue; did you mean 'max_requests'?"
+        in lines
     )
-    assert any("cost.margin" in x and "greater than or equal to 1" in x for x in lines)
+    assert not any("engine_queue.max_requests" in x for x in lines), lines
+    assert any(x.endswith("cost.margin: must be at least 1, got 0.5") for x in lines), lines
 
 
 def test_check_policy_on_yaml_garbage_and_missing_file(tmp_path: Path) -> None:

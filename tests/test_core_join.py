@@ -4,7 +4,7 @@ SGLang merges a finished prefill into the running batch and then runs any prefil
 the decode step in which the running batch allocates the join (evidence S25). A request past its
 first token can no longer be refused or aborted, so a prefill admitted in that window stretches the
 time an unabortable allocation is pending from one decode step to a whole prefill; on the outage
-burst under the neighbour setting that is the crash (README "Admission quality").
+burst under the neighbour setting that is the crash (docs/benchmarks.md, "Admission quality").
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _outage_neighbour(seed_index: int = 0):  # type: ignore[no-untyped-def]
 def test_the_outage_burst_survives_a_neighbour_that_grows_as_a_held_request_goes_in(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """README "Admission quality": burst-1's first token, the admission of a held request and the
+    """docs/benchmarks.md, "Admission quality": burst-1's first token, the admission of a held request and the
     neighbour's 256 MiB growth in one instant; without the rule the newcomer's prefill runs before
     burst-1's first decode step, whose 1,248 MiB join then finds 1,116 MiB free."""
     r = _outage_neighbour()

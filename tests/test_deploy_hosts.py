@@ -89,3 +89,20 @@ def test_compose_wires_the_lane_with_the_repositorys_files(tmp_path: Path) -> No
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = lambda p: {j["job_name"] for j in yaml.safe_load(p.read_text())["scrape_configs"]}  # noqa: E731
     assert jobs(DOCKER / "prometheus.yml") == jobs(ROOT / "deploy" / "prometheus" / "prometheus.yml")
+
+
+def test_descriptor_limits_cover_the_connection_limits() -> None:
+    """Each client connection and each pooled upstream one is a descriptor: the unit's and the compose
+    service's open-file limits stay above the sidecar's own connection caps (one line each)."""
+    from sidecar.settings import Settings
+
+    caps = {n: f.default for n, f in Settings.model_fields.items()}
+    needed = caps["max_client_connections"] + caps["max_connections"]
+    (line,) = [
+        x
+        for x in (SYSTEMD / "sglang-sidecar.service").read_text().splitlines()
+        if x.startswith("LimitNOFILE=")
+    ]
+    assert int(line.split("=")[1]) > needed
+    sidecar = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["sidecar"]
+    assert sidecar["ulimits"]["nofile"]["soft"] > needed and sidecar["mem_limit"]

@@ -1,6 +1,7 @@
-"""deploy/kubernetes: every overlay renders, validates offline against current Kubernetes schemas with
-`kubernetes-validate --strict`, and says what the README says (native sidecar, probes, Service, GPU,
-drain, policy reload)."""
+"""deploy/kubernetes: every overlay renders with plain kustomize (no flags), validates offline against
+current Kubernetes schemas with `kubernetes-validate --strict`, and says what docs/deploy.md says (native
+sidecar, probes, Service, GPU, drain, policy reload by the sidecar's own file watch); the monitoring
+kustomization's PrometheusRule is deploy/prometheus/alerts.yml."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.tools import ROOT
 
 K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+MONITORING = K8S / "monitoring"
 # 1.34: resource.k8s.io/v1 (DRA) is GA; the latest release the validator ships.
 VERSIONS = ("1.34.0", "1.37.0")
 # Custom resources kubernetes-validate has no schema for: validated against their CRD's OpenAPI schema
@@ -28,17 +30,23 @@ NO_K8S_SCHEMA = {"PodMonitor"}
 CRD_CHECK = ROOT / "tests" / "crd" / "validate.mjs"
 
 
+def kustomize_command() -> list[str] | None:
+    """`kubectl kustomize` or `kustomize build`, as an operator would type them: no flags."""
+    if exe := shutil.which("kubectl"):
+        return [exe, "kustomize"]
+    if exe := shutil.which("kustomize"):
+        return [exe, "build"]
+    return None
+
+
 def render(overlay: Path) -> list[dict[str, Any]]:
-    """With a kustomize binary when there is one, else tests/kustomize.py."""
-    exe = shutil.which("kustomize")
-    if exe:
-        out = subprocess.run(
-            [exe, "build", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        return [d for d in yaml.safe_load_all(out) if d]
+    """With kubectl's or a kustomize binary when there is one, else tests/kustomize.py (which refuses
+    files outside the kustomization's directory, as kustomize's default load restrictor does)."""
+    command = kustomize_command()
+    if command:
+        r = subprocess.run([*command, str(overlay)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"{' '.join(command)} {overlay.relative_to(ROOT)}: {r.stderr}"
+        return [d for d in yaml.safe_load_all(r.stdout) if d]
     return build(overlay)
 
 
@@ -101,10 +109,10 @@ def test_the_validator_is_strict(tmp_path: Path) -> None:
 def test_overlay_says_what_the_readme_says(overlay: Path) -> None:
     docs = render(overlay)
     pod = pod_of(docs)
-    sidecar, reloader = pod["initContainers"]
+    (sidecar,) = pod["initContainers"]
     (engine,) = pod["containers"]
     # A native sidecar in front of the engine.
-    assert sidecar["restartPolicy"] == "Always" and reloader["restartPolicy"] == "Always"
+    assert sidecar["restartPolicy"] == "Always"
     env = {e["name"]: e["value"] for e in sidecar["env"]}
     assert env["SIDECAR_UPSTREAM"] == "http://127.0.0.1:30000"
     # Every environment variable and flag it uses is one `serve` has.
@@ -150,10 +158,10 @@ def test_overlay_says_what_the_readme_says(overlay: Path) -> None:
     ]["name"]
     assert cm["data"]["policy.yaml"] == (ROOT / "policies" / f"{overlay.name}.yaml").read_text()
     load_policy_text(cm["data"]["policy.yaml"], f"policies/{overlay.name}.yaml")
-    assert (
-        pod["shareProcessNamespace"] is True
-        and "pkill -HUP -f '[s]glang-sidecar serve'" in reloader["command"][-1]
-    )
+    # The sidecar watches the mounted file itself: no reloader, no shared process namespace.
+    assert "shareProcessNamespace" not in pod and float(env["SIDECAR_POLICY_WATCH_S"]) > 0
+    # Shadow first, as docs/deploy.md says; memory bounded.
+    assert env["SIDECAR_MODE"] == "shadow" and sidecar["resources"]["limits"]["memory"]
     # Admin token from a Secret, at the path the sidecar is told.
     mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
     secret = [v for v in pod["volumes"] if "secret" in v]
@@ -178,3 +186,45 @@ def test_podmonitor_scrapes_the_ports_and_jobs_the_alerts_expect() -> None:
         jobs[ep["port"]] = next(r["replacement"] for r in ep["relabelings"] if r["targetLabel"] == "job")
     # The sidecar's /metrics is on its admin port, not the data port (which answers 404 there).
     assert jobs == {"admin": "sglang-sidecar", "engine": "sglang"}
+
+
+def test_the_overlays_policy_is_the_shipped_one() -> None:
+    """Each overlay carries its policy inside its directory (so it builds without flags): the copy is
+    the file in policies/, byte for byte."""
+    for overlay in OVERLAYS:
+        copy = (overlay / "policy.yaml").read_text()
+        assert copy == (ROOT / "policies" / f"{overlay.name}.yaml").read_text(), (
+            f"cp policies/{overlay.name}.yaml {overlay.relative_to(ROOT)}/policy.yaml"
+        )
+
+
+def test_the_fallback_renderer_refuses_files_outside_the_kustomization(tmp_path: Path) -> None:
+    """tests/kustomize.py stands in for kustomize where neither binary is installed: it refuses what
+    kustomize's default load restrictor refuses, so a file outside the overlay cannot pass here."""
+    (tmp_path / "outside.yaml").write_text("name: x\n")
+    d = tmp_path / "overlay"
+    d.mkdir()
+    (d / "kustomization.yaml").write_text(
+        "configMapGenerator:\n  - name: p\n    files: [policy.yaml=../outside.yaml]\n"
+        "generatorOptions: {disableNameSuffixHash: true}\n"
+    )
+    with pytest.raises(ValueError, match="outside"):
+        build(d)
+
+
+@pytest.mark.skipif(kustomize_command() is None, reason="neither kubectl nor kustomize installed")
+def test_the_monitoring_kustomization_is_the_alert_rules(tmp_path: Path) -> None:
+    """One PrometheusRule, valid against the Prometheus Operator's CRD, holding exactly the rules
+    promtool checks in deploy/prometheus/alerts.yml (scripts/prometheusrule.py writes it)."""
+    docs = render(MONITORING)
+    (rule,) = docs
+    assert rule["kind"] == "PrometheusRule" and rule["apiVersion"] == "monitoring.coreos.com/v1"
+    alerts = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"], "run `python scripts/prometheusrule.py`"
+    r = crd_check(docs)
+    assert r.returncode == 0 and json.loads(r.stdout)["checked"] == ["PrometheusRule/sglang-sidecar"], (
+        r.stdout
+    )
+    # A wrong type is caught (the check is looking).
+    rule["spec"]["groups"][0]["rules"][0]["for"] = 120
+    assert crd_check(docs).returncode == 1

@@ -6,9 +6,14 @@ import re
 
 import yaml
 
+from tests.test_docs import anchors
 from tests.tools import ROOT, run_tool
 
 DIR = ROOT / "deploy" / "prometheus"
+RUNBOOK_BASE_TEMPLATE = (
+    "{{ with $externalLabels.runbook_base }}{{ . }}{{ else }}"
+    "https://github.com/sglang-sidecar/sglang-sidecar/blob/main{{ end }}"
+)
 
 
 def alert_rules() -> list[dict]:
@@ -38,12 +43,11 @@ def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
         assert cases.get(rule["alert"]) == {True, False}, f"{rule['alert']}: needs a firing and a quiet case"
 
 
-def test_every_alert_has_a_runbook_and_a_readme_section() -> None:
-    readme = (ROOT / "README.md").read_text()
-    headings = {
-        re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
-        for h in re.findall(r"^#+ (.+)$", readme, re.M)
-    }
+def test_every_alert_has_a_runbook_an_absolute_url_and_a_section() -> None:
+    """runbook_url is absolute (Alertmanager and its receivers cannot resolve a relative link), its base
+    is Prometheus's external label `runbook_base` when set, and it lands on a heading of
+    docs/operate.md (slugged as GitHub does, tests/test_docs.py)."""
+    headings = anchors(ROOT / "docs" / "operate.md")
     for rule in alert_rules():
         ann = rule["annotations"]
         assert {"summary", "description", "runbook", "runbook_url"} <= set(ann), rule["alert"]
@@ -53,5 +57,19 @@ def test_every_alert_has_a_runbook_and_a_readme_section() -> None:
             or "targets" in ann["runbook"]
         )
         assert "sglang_sidecar_" in ann["runbook"] or "Metric" in ann["runbook"] or "up" in rule["expr"]
-        anchor = ann["runbook_url"].split("#", 1)[1]
-        assert ann["runbook_url"].startswith("README.md#") and anchor in headings, (rule["alert"], anchor)
+        url = ann["runbook_url"]
+        assert url.startswith(RUNBOOK_BASE_TEMPLATE), (rule["alert"], url)
+        page, _, anchor = url.removeprefix(RUNBOOK_BASE_TEMPLATE).partition("#")
+        assert page == "/docs/operate.md" and anchor in headings, (rule["alert"], anchor)
+
+
+def test_severities_are_what_alertmanager_routes() -> None:
+    assert {r["labels"]["severity"] for r in alert_rules()} == {"critical", "warning"}
+
+
+def test_the_operate_page_lists_each_alerts_severity() -> None:
+    page = (ROOT / "docs" / "operate.md").read_text()
+    table = {}
+    for names, severity in re.findall(r"^\| (Sidecar[^|]+) \| (critical|warning) \|$", page, re.M):
+        table.update(dict.fromkeys((n.strip() for n in names.split(",")), severity))
+    assert table == {r["alert"]: r["labels"]["severity"] for r in alert_rules()}

@@ -4,7 +4,7 @@ a sidecar in front of each, the router in front of both (round robin).
 The finding (issue #13): 16 requests no lane can run (8 at a time), answered 503 by the sidecars, are
 retried by the router and counted as worker failures until its circuit breaker opens on both lanes;
 the next small requests, which either lane would serve at once, all get 503 "no available workers".
-The fix is tested the two ways the README recommends: the sidecar's answers for routers (413 for a
+The fix is tested the two ways docs/routing.md recommends: the sidecar's answers for routers (413 for a
 request the lane can never run: not retried, one failure each) with the router at its defaults, and
 the sidecar's default answers with the router's recommended flags (no breaker; /readyz health checks).
 """

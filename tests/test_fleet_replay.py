@@ -2,7 +2,7 @@
 
 The experiment of the fleet test on real processes (requests no lane can run, then small ones), in a
 few seconds: the router's retries and breaker turn the sidecars' default answers into lane ejections;
-the README's answers, its recommended flags, or a router that reads the fit signals, do not."""
+docs/routing.md's answers, its recommended flags, or a router that reads the fit signals, do not."""
 
 from __future__ import annotations
 

@@ -92,6 +92,14 @@ def test_the_dashboard_answers_the_questions_it_is_for() -> None:
         "Upstream time to first byte": ["upstream_first_byte_seconds_bucket"],
         "Policy in force": ["policy_info"],
         "Policy reloads": ["policy_reloads_total"],
+        # The lane against its calibration: the monitor's margin, what it found, the idle figure.
+        "Cost margin: in force and the policy's": [
+            "cost_margin",
+            "policy_cost_margin",
+            "projection_underestimate_worst_ratio",
+        ],
+        "Under-estimates and guard aborts": ["projection_underestimates_total", "requests_total"],
+        "Idle free memory: measured and the policy's": ["idle_free_bytes", "policy_idle_free_bytes"],
     }
     for title, metrics in wanted.items():
         assert title in exprs, title

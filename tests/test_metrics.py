@@ -131,14 +131,38 @@ async def test_promtool_check_metrics_on_live_metrics_is_clean(tmp_path: Path) -
     assert bad.returncode != 0 and "_total" in bad.stdout + bad.stderr
 
 
-async def test_readme_metrics_section_names_every_exported_metric(tmp_path: Path) -> None:
+async def test_operate_metrics_section_names_every_exported_metric(tmp_path: Path) -> None:
     async with lane(tmp_path, FakeEngine()) as (url, _, _), httpx.AsyncClient(timeout=10) as client:
         text = (await client.get(url.admin + "/metrics")).text
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "operate.md").read_text()
+    section = page.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     for family in text_string_to_metric_families(text):
         # `_created` is prometheus-client's creation-time companion of each counter and histogram.
         if family.name.startswith(P) and not family.name.endswith("_created"):
             name = family.name.removeprefix(P)
             shown = name + "_total" if family.type == "counter" else name
-            assert f"`{shown}`" in section or f"`{shown}{{" in section, f"README Metrics lacks {shown}"
+            assert f"`{shown}`" in section or f"`{shown}{{" in section, (
+                f"docs/operate.md Metrics lacks {shown}"
+            )
+
+
+def test_the_policys_idle_figure_is_exported_only_when_it_states_one() -> None:
+    """The dashboard sets the measured idle figure against the policy's: a policy with a figure
+    exports it, one that says `auto` (or none) exports nothing rather than a 0."""
+    from sidecar.ops.telemetry import policy_limits
+    from sidecar.policy.in_force import rules_of
+    from sidecar.policy.schema import load_policy_file
+    from tests.conftest import ROOT
+
+    def idle(policy: object) -> list[float]:
+        return [
+            s.value
+            for fam in policy_limits(rules_of(policy))  # type: ignore[arg-type]
+            for s in fam.samples
+            if "idle_free" in s.name
+        ]
+
+    old = load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml").policy
+    assert idle(old) == [float(old.vram.idle_free_bytes)]  # type: ignore[arg-type]
+    auto = old.model_copy(update={"vram": old.vram.model_copy(update={"idle_free_bytes": "auto"})})
+    assert idle(auto) == []

@@ -344,7 +344,7 @@ def test_with_progress_a_reading_is_judged_by_the_progress_now_not_by_an_earlier
     """Progress estimates err large and are corrected when the engine's counters catch up. The next
     reading bounds everything allocated since the last one by the progress now (true progress only
     grows); judged against the earlier over-estimate, an overrun smaller than it went unseen, and on a
-    lane whose margin leaves a prompt at the edge ~2 % of its peak that was a crash (README "The band
+    lane whose margin leaves a prompt at the edge ~2 % of its peak that was a crash (docs/benchmarks.md "The band
     under noise")."""
     w, rules = _watch_with_progress()
     busy = LedgerTotals(requests=1, running_requests=1)

@@ -203,3 +203,85 @@ async def test_an_upload_to_a_read_only_policy_file_is_refused_with_409(readonly
             _, err = proc.communicate(timeout=30)
     assert policy_file.read_text() == original
     assert "via upload: refused, keeping from-configmap" in err
+
+
+def configmap_mount(root: Path, text: str, version: int) -> None:
+    """Lay out a Kubernetes ConfigMap volume as the kubelet does (and swap it the same way):
+    ``policy.yaml -> ..data/policy.yaml``, ``..data -> ..<version>``, the new version written beside the
+    old one and ``..data`` replaced by a rename of a fresh symlink."""
+    version_dir = root / f"..2026_12_06_{version:02d}"
+    version_dir.mkdir()
+    (version_dir / "policy.yaml").write_text(text)
+    tmp_link = root / "..data_tmp"
+    tmp_link.symlink_to(version_dir.name)
+    os.replace(tmp_link, root / "..data")
+    if not (root / "policy.yaml").is_symlink():
+        (root / "policy.yaml").symlink_to("..data/policy.yaml")
+
+
+async def test_the_watched_policy_file_applies_on_change_without_a_signal(tmp_path: Path) -> None:
+    """The mounted policy changes (a ConfigMap's symlink swap, then an edit in place): each valid
+    change is applied within the watch interval, an invalid one is refused once and the running policy
+    stays, and an upload that writes the file is not applied twice."""
+    mount = tmp_path / "policy"
+    mount.mkdir()
+    configmap_mount(mount, policy_yaml("v1"), 1)
+    policy_file = mount / "policy.yaml"
+    async with serve(FakeEngine()) as engine_url:
+        app = SidecarApp(
+            upstream=engine_url,
+            policy=load_policy_file(policy_file),
+            policy_path=str(policy_file),
+            gpu_source=None,
+            policy_watch_s=0.05,
+        )
+        async with serve_both(app) as url, httpx.AsyncClient(timeout=10) as client:
+
+            async def state() -> dict:
+                return (await client.get(url.admin + "/admission/state")).json()["policy"]
+
+            def recorded(name: str) -> bool:  # applied, and the attempt recorded (after the swap)
+                rec = app.policy_source.last_reload
+                return rec is not None and rec.result == "applied" and rec.policy == name
+
+            configmap_mount(mount, policy_yaml("v2"), 2)  # the kubelet's swap of ..data
+            await eventually(lambda: recorded("v2"))
+            assert app.admission.loaded.policy.name == "v2"
+            assert (await state())["last_reload"]["via"] == "file_change"
+
+            configmap_mount(mount, "name: [broken\n", 3)
+            await eventually(lambda: app.policy_source.last_failure is not None)
+            assert app.admission.loaded.policy.name == "v2"  # refused: the running one stays
+
+            async def counted(want: dict[str, float]) -> bool:  # counted after it is recorded
+                return reloads((await client.get(url.admin + "/metrics")).text) == want
+
+            await eventually(lambda: counted({"applied": 1.0, "refused": 1.0}))
+
+            # Edited in place (not through the symlink's target directory): seen by mtime and size.
+            (mount / "..2026_12_06_03" / "policy.yaml").write_text(policy_yaml("v3-edited"))
+            await eventually(lambda: recorded("v3-edited"))
+            assert app.admission.loaded.policy.name == "v3-edited"
+            await eventually(lambda: counted({"applied": 2.0, "refused": 1.0}))
+
+
+def test_an_unchanged_or_rewritten_identical_file_reloads_nothing(tmp_path: Path) -> None:
+    """The content decides: a change of identity that leaves the policy as it is (an upload written
+    back, `touch`) applies nothing, so an upload is not applied a second time by the watch."""
+    from sidecar.policy.source import PolicySource
+
+    policy_file = tmp_path / "lane.yaml"
+    policy_file.write_text(policy_yaml("same"))
+    loaded = [load_policy_file(policy_file)]
+    applied: list[str] = []
+    src = PolicySource(
+        str(policy_file), lambda lp: (applied.append(lp.policy.name), loaded.append(lp)), lambda: loaded[-1]
+    )
+    assert src.reload_if_changed() is None  # first look: the file says what is in force
+    os.utime(policy_file, ns=(1, 1))
+    policy_file.write_text(policy_yaml("same"))
+    assert src.reload_if_changed() is None and applied == []
+    policy_file.write_text(policy_yaml("other"))
+    rec = src.reload_if_changed()
+    assert rec is not None and rec.via == "file_change" and applied == ["other"]
+    assert src.reload_if_changed() is None  # nothing changed since

@@ -77,6 +77,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Series absent until their event (an unknown value is an absent series, never 0).
+ABSENT_UNTIL_SEEN = {
+    "sglang_sidecar_projection_underestimate_worst_ratio",  # a monitor finding
+    "sglang_sidecar_idle_free_bytes",  # the engine measured idle
+    "sglang_sidecar_policy_idle_free_bytes",  # a policy stating the figure
+}
+
+
 def dashboard_exprs() -> list[tuple[str, str]]:
     """(panel title, expr) for every target of every panel."""
     model = json.loads(DASHBOARD.read_text())
@@ -250,22 +258,29 @@ async def test_dashboard_and_alerts_against_a_real_prometheus(tmp_path: Path) ->
             )
             assert (await long).status_code == 200
 
-            # Every metric the dashboard reads is one the sidecar exports.
+            # Every metric the dashboard reads is one the sidecar exports (those absent until an event,
+            # which this run has none of, are named in docs/operate.md's Metrics, tests/test_metrics.py).
             exported = {
                 f.name for f in text_string_to_metric_families((await c.get(url.admin + "/metrics")).text)
             }
             for title, expr in dashboard_exprs():
                 for name in metric_names(expr):
                     family = re.sub(r"_(bucket|count|sum|total)$", "", name)
-                    assert family in exported or name in exported, (title, name)
+                    assert family in exported or name in exported or name in ABSENT_UNTIL_SEEN, (title, name)
 
-            # Every panel's query parses and has data over the scenario.
+            # Every panel's query parses and has data over the scenario (but the series of events
+            # this run does not produce: a finding of the monitor, a guard abort, a measured or stated
+            # idle figure); every panel shows something.
             end = time.time()
+            shown: dict[str, int] = {}
             for title, expr in dashboard_exprs():
                 data = await api(
                     c, prom, "query_range", query=concrete(expr), start=started, end=end, step="1s"
                 )
-                assert data["result"], f"panel {title!r}: no data for {concrete(expr)}"
+                shown[title] = shown.get(title, 0) + bool(data["result"])
+                if not (metric_names(expr) & ABSENT_UNTIL_SEEN or "prefill_overrun" in expr):
+                    assert data["result"], f"panel {title!r}: no data for {concrete(expr)}"
+            assert all(shown.values()), shown
 
             # A policy whose reserve is more than the card has: headroom goes below it.
             grown = POLICY.replace("reserve_bytes: 256MiB", "reserve_bytes: 4096GiB")

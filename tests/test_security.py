@@ -8,6 +8,7 @@ cannot be a DNS rebinding; ``--allowed-hosts`` narrows both.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -266,8 +267,10 @@ async def test_serve_runs_both_listeners_from_flags_and_environment(tmp_path: Pa
         assert proc.returncode == 0
 
 
-async def test_a_taken_admin_port_is_a_start_up_error_naming_the_flag(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    """``run_uvicorn`` opens the admin listener first: when it cannot, nothing else starts."""
+async def test_a_taken_admin_port_is_a_start_up_error_naming_the_flag(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """``run_uvicorn`` opens the admin listener first: when it cannot, nothing else starts (and the
+    sidecar's own log says so, tests/test_startup.py has the format)."""
+    caplog.set_level(logging.ERROR, logger="sidecar")
     from sidecar.app import SidecarApp
     from sidecar.cli import run_uvicorn
     from tests.conftest import small_policy
@@ -280,7 +283,8 @@ async def test_a_taken_admin_port_is_a_start_up_error_naming_the_flag(tmp_path: 
         rc = await asyncio.to_thread(
             run_uvicorn, app, "127.0.0.1", 0, "warning", admin=(app.admin_asgi, "127.0.0.1", port)
         )
-    assert rc == 3 and f"--admin-listen 127.0.0.1:{port}" in capsys.readouterr().err
+    said = [r.getMessage() for r in caplog.records if r.name == "sidecar"]
+    assert rc == 3 and f"not started: cannot listen on --admin-listen 127.0.0.1:{port}" in said, said
     assert app.scraper is None  # the data app never started
 
 

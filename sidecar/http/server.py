@@ -34,7 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 @dataclass(frozen=True, slots=True)
 class ServingLimits:
-    """Per-connection limits of the data port (documented in the README and SECURITY.md)."""
+    """Per-connection limits of the data port (documented in docs/operate.md and SECURITY.md)."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0

@@ -25,6 +25,7 @@ import logging
 import logging.handlers
 import os
 import queue
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -188,6 +189,37 @@ class LogPipeline:
 _current: LogPipeline | None = None
 
 
+_BIND = re.compile(r"error while attempting to bind on address \('?([^',]+)'?, (\d+)\)(?:: (.*))?")
+# What uvicorn says after the application said why; the why is already in the log.
+_REDUNDANT = ("Application startup failed. Exiting.",)
+
+
+class StartupWords(logging.Filter):
+    """uvicorn's start-up failures in the sidecar's words, under its own logger (``sidecar``,
+    ``event=startup_failed``), in the chosen format: a port already taken names the port and how to
+    find who holds it; the line that repeats an application's failure is dropped (the sidecar logged
+    the reason itself). Everything else uvicorn says passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        message = record.getMessage()
+        if message in _REDUNDANT:
+            return False
+        m = _BIND.search(message)
+        if m is None:
+            return True
+        host, port, why = m.group(1), m.group(2), (m.group(3) or "").strip() or "cannot bind"
+        record.name = "sidecar"
+        record.msg = (
+            f"cannot listen on {host}:{port}: {why} (who holds it: ss -ltnp 'sport = :{port}'; "
+            "or choose another with --listen / --admin-listen)"
+        )
+        record.args = ()
+        record.fields = {"event": "startup_failed", "address": f"{host}:{port}", "exit_code": 3}  # type: ignore[attr-defined]
+        return True
+
+
 def setup_logging(
     level: str = "info",
     fmt: str = "text",
@@ -227,6 +259,9 @@ def setup_logging(
         for h in list(lg.handlers):
             lg.removeHandler(h)
         lg.propagate = True
+    error_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, StartupWords) for f in error_log.filters):
+        error_log.addFilter(StartupWords())
     listener.start()
     _current = LogPipeline(handler, listener)
     return _current

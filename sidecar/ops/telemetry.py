@@ -534,6 +534,12 @@ def policy_limits(p: Rules) -> Iterable[Metric]:
         return g
 
     yield one("policy_cost_margin", "cost.margin: the policy's own margin on every cost term", p.cost.margin)
+    if p.vram.idle_free_bytes is not None and not p.vram.idle_free_auto:  # `auto`, none: no series
+        yield one(
+            "policy_idle_free_bytes",
+            "vram.idle_free_bytes: the lane's idle free GPU memory as the policy states it",
+            p.vram.idle_free_bytes,
+        )
     yield one(
         "policy_reserve_bytes",
         "vram.reserve_bytes: GPU memory the gate never hands out",

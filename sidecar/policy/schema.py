@@ -41,7 +41,12 @@ def parse_size(value: Any) -> int:
             raise ValueError(f"a size in bytes must be a whole number, got {value:g}")
         return int(value)
     if not isinstance(value, str):
-        raise ValueError(f"a size must be bytes or a string such as 560MiB, got {type(value).__name__}")
+        got = (
+            "nothing (an empty value)"
+            if value is None
+            else f"a {'list' if isinstance(value, list) else 'mapping' if isinstance(value, dict) else 'value of another kind'}"
+        )
+        raise ValueError(f"a size must be bytes or a string such as 560MiB, got {got}")
     text = value.strip()
     if text.startswith("-"):
         raise ValueError(f"a size cannot be negative, got {value!r}")
@@ -472,7 +477,7 @@ class Answer(_Strict):
 
 class Answers(_Strict):
     """Status and headers per rejection reason. The defaults suit a client talking to one lane; behind
-    a router, see the README's "Behind a router" for the block that keeps its circuit breaker closed.
+    a router, see docs/routing.md, "Behind a router", for the block that keeps its circuit breaker closed.
 
     ``unfit_context``: prompt + max_new_tokens beyond the context (an exact count): SGLang answers 400,
     so do we, and the request never reaches the engine. ``unfit_lane``: larger than this lane can ever

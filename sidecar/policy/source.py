@@ -1,6 +1,7 @@
 """One source of truth for the running policy: the policy file.
 
-Two paths change the policy: SIGHUP (re-read the file) and ``POST /admission/policy`` (an upload). If an
+Three paths change the policy: the file changing (watched: ``reload_if_changed``, polled by the app),
+SIGHUP (re-read the file) and ``POST /admission/policy`` (an upload). If an
 upload only changed memory, the next SIGHUP - sent by a config-management run that knows nothing of the
 upload - would silently put the file's policy back. So the rule is:
 
@@ -17,6 +18,7 @@ Every attempt, from either path, is logged with its result and recorded: ``last_
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import tempfile
@@ -35,7 +37,7 @@ class ReloadRecord:
     """One reload attempt: when (wall clock, for people), how, and what came of it."""
 
     at: float
-    via: str  # "sighup" | "upload"
+    via: str  # "sighup" | "file_change" | "upload"
     result: str  # "applied" | "refused"
     policy: str | None
     sha256: str | None
@@ -72,19 +74,49 @@ class PolicySource:
         self.last_reload: ReloadRecord | None = None
         self.last_failure: ReloadRecord | None = None
         self._previous: LoadedPolicy | None = None
+        self._seen: FileIdentity | None = None
 
     # -- SIGHUP ----------------------------------------------------------------------------------
 
-    def reload_file(self) -> ReloadRecord:
+    def reload_file(self, via: str = "sighup") -> ReloadRecord:
         """Re-read the policy file and apply it; a file that fails validation changes nothing."""
         if self.path is None:
-            return self._record("sighup", None, "no policy file to reload (started without --policy)")
+            return self._record(via, None, "no policy file to reload (started without --policy)")
         try:
             loaded = load_policy_file(self.path)
             self._apply(loaded)
         except PolicyError as e:
-            return self._record("sighup", None, str(e))
-        return self._record("sighup", loaded, None)
+            return self._record(via, None, str(e))
+        return self._record(via, loaded, None)
+
+    # -- the file watch ----------------------------------------------------------------------------
+
+    def reload_if_changed(self) -> ReloadRecord | None:
+        """Re-read the file when it changed and says something other than the policy in force.
+
+        Cheap enough to call every second or two: one ``stat`` while nothing changes. A change is any
+        of a Kubernetes ConfigMap update (the kubelet swaps the mount's ``..data`` symlink: the file's
+        real path moves), a new file renamed into place (the inode) or an edit in place (mtime, size).
+        The content decides: a change that leaves the policy in force as it is (an upload writing the
+        file, ``touch``) reloads nothing; a file that fails validation is refused once, and tried again
+        only when it changes again. A file that vanished (mid-swap) is looked at when it is back.
+        """
+        if self.path is None:
+            return None
+        seen = file_identity(self.path)
+        if seen == self._seen:
+            return None
+        self._seen = seen
+        if seen is None:
+            return None
+        try:
+            data = Path(self.path).read_bytes()
+        except OSError:
+            self._seen = None  # look again at the next call
+            return None
+        if hashlib.sha256(data).hexdigest() == self._current().sha256:
+            return None
+        return self.reload_file(via="file_change")
 
     # -- POST /admission/policy --------------------------------------------------------------------
 
@@ -173,6 +205,19 @@ class PolicySource:
             "last_reload": self.last_reload.as_dict() if self.last_reload else None,
             "last_failure": self.last_failure.as_dict() if self.last_failure else None,
         }
+
+
+FileIdentity = tuple[str, int, int, int, int]
+
+
+def file_identity(path: str) -> FileIdentity | None:
+    """Where the file really is and which inode, modification time and size it has (None: missing)."""
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError:
+        return None
+    return (real, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _not_writable(target: Path) -> str | None:

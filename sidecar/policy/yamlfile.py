@@ -13,6 +13,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from sidecar.policy.wording import humane, merge_typos
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -81,7 +83,8 @@ def load_model(text: str, model: type[M], source: str, error: type[ConfigError] 
     try:
         obj = model.model_validate(data)
     except ValidationError as e:
-        problems += [_located(source, root, tuple(err["loc"]), err["msg"]) for err in e.errors()]
+        said = merge_typos([humane(err, model) for err in e.errors()])  # type: ignore[arg-type]
+        problems += [_located(source, root, loc, msg) for loc, msg in said]
         raise error(source, problems) from None
     if isinstance(obj, Located):
         problems += [_located(source, root, loc, msg) for loc, msg in obj.located_problems()]
@@ -143,8 +146,6 @@ def _located(source: str, root: Any, loc: tuple[Any, ...], msg: str) -> str:
     field = ".".join(str(p) for p in loc) or "(top level)"
     line = line_of(root, loc)
     where = f"{source}:{line}" if line else source
-    # pydantic prefixes a validator's own message with its kind; the person reading wants the message.
-    msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
     return f"{where}: {field}: {msg}"
 
 
