@@ -103,6 +103,11 @@ class _Request:
     unreported: int = 0
     last_token_t: float = 0.0
     in_running: bool = False
+    # Parallel sampling (``n`` > 1): the client's request id of a prompt's caching pass or of a copy.
+    parent: str | None = None
+    prime: bool = False
+    # First prompt position whose input logprob is computed (None: none).
+    logprob_start: int | None = None
 
     def sort_key(self) -> tuple[int, int]:
         return (-self.priority, self.seq)
@@ -125,6 +130,25 @@ class _Step:
     items: list[tuple[_Request, int]] = field(default_factory=list)
     new_input: int = 0
     hit_tokens: int = 0
+
+
+@dataclass
+class _Family:
+    """A client request with ``n`` > 1 samples: one caching pass, then ``samples`` copies; the client
+    sees one request (its first token, its tokens, one end)."""
+
+    samples: int
+    max_new_tokens: int
+    prefix_key: str
+    priority: int
+    logprob_start: int | None
+    prompt_tokens: int
+    cached_tokens: int = 0
+    done: int = 0
+    output: int = 0
+    completed: int = 0
+    ended: bool = False
+    first_sent: bool = False
 
 
 @dataclass
@@ -162,6 +186,11 @@ class EngineModel:
         self.peak_used_bytes = self.total_bytes - self._device.free_bytes()
         self._up = True
         self._down_until: float | None = None
+        # Parallel sampling: client request -> its family; caching pass or copy -> client request. Kept
+        # across a restart until the events that end them have been translated.
+        self._families: dict[str, _Family] = {}
+        self._parents: dict[str, str] = {}
+        self._upgraded = False
         self._boot(start_time)
 
     # ------------------------------------------------------------------ public API
@@ -203,6 +232,8 @@ class EngineModel:
         prefix_key: str | None = None,
         cached_tokens_hint: int | None = None,
         priority: int = 0,
+        samples: int = 1,
+        logprob_start: int | None = None,
     ) -> None:
         """Hand a request to the engine at ``now``.
 
@@ -210,9 +241,13 @@ class EngineModel:
         conversation, a shared system prompt); ``cached_tokens_hint`` says how many leading tokens it
         shares with it (default: all of the cached entry). Invalid requests and requests sent while
         the engine is down come back as :class:`Failed` events from the next ``advance``.
+
+        ``samples`` > 1 is SGLang's parallel sampling (evidence B1): the prompt is prefilled alone with
+        no output to cache it, then ``samples`` copies are queued at once and share it. ``logprob_start``
+        asks for input-token logprobs from that prompt position (evidence B3, B4).
         """
         self._advance_to(now)
-        if rid in self._requests:
+        if rid in self._requests or rid in self._families:
             raise ValueError(f"request id {rid!r} is already in flight")
         if not self._up:
             self._events.append(Failed(rid, now, "engine is down (restarting)", None))
@@ -221,6 +256,12 @@ class EngineModel:
         if error is not None:
             self._events.append(Failed(rid, now, error, 400))
             return
+        if samples > 1:
+            key = prefix_key if prefix_key is not None else f"{rid}#n"
+            self._families[rid] = _Family(
+                samples, max_new_tokens, key, priority, logprob_start, prompt_tokens
+            )
+            rid, prefix_key, max_new_tokens = f"{rid}#prime", key, 1
         self._seq += 1
         req = _Request(
             rid=rid,
@@ -232,7 +273,11 @@ class EngineModel:
             arrival=now,
             seq=self._seq,
             target=prompt_tokens,
+            logprob_start=logprob_start,
         )
+        if samples > 1:
+            req.parent, req.prime = rid.removesuffix("#prime"), True
+            self._parents[rid] = req.parent
         self._requests[rid] = req
         self._enqueue(req)
         if self._step is None:
@@ -241,6 +286,10 @@ class EngineModel:
     def abort(self, rid: str, now: float) -> bool:
         """Drop a request (client disconnect); frees what it held. Returns whether it was in flight."""
         self._advance_to(now)
+        fam = self._families.pop(rid, None)
+        if fam is not None:
+            members = [r for r, q in self._requests.items() if q.parent == rid]
+            return any([self.abort(m, now) for m in members])
         req = self._requests.pop(rid, None)
         if req is None:
             return False
@@ -263,15 +312,19 @@ class EngineModel:
         self._advance_to(now)
         self._flush_all_tokens()
         events, self._events = self._events, []
-        return events
+        if not self._parents:
+            return events
+        return [out for ev in events for out in self._translate(ev)]
 
     def next_event_time(self) -> float | None:
         """When the state next changes on its own (a step ends, a restart, an idle report)."""
         if not self._up:
             return self._down_until
-        if self._step is not None:
-            return self._step.end
-        return self._next_idle_publish()
+        upgrade = self._upgrade_due()
+        own = self._step.end if self._step is not None else self._next_idle_publish()
+        if upgrade is not None and (own is None or upgrade < own):
+            return max(upgrade, self._clock)
+        return own
 
     def run_quiet(self, bound: float) -> float | None:
         """Run the engine through the steps that end by ``bound`` for as long as they produce nothing
@@ -404,6 +457,11 @@ class EngineModel:
                     self._restart(self._down_until)
                     continue
                 break
+            upgrade = self._upgrade_due()
+            if upgrade is not None and upgrade <= now and (self._step is None or self._step.end > upgrade):
+                self._clock = max(self._clock, upgrade)
+                self._stop_for_upgrade(self._clock)
+                continue
             if self._step is not None:
                 if self._step.end <= now:
                     t = self._step.end
@@ -420,6 +478,27 @@ class EngineModel:
                 continue
             break
         self._clock = now
+
+    def _upgrade_due(self) -> float | None:
+        at = self.profile.upgrade_at_s
+        return None if at is None or self._upgraded else at
+
+    def _stop_for_upgrade(self, t: float) -> None:
+        """A planned restart onto a new build (``LaneProfile.upgrade_at_s``): what is in flight fails as
+        on a crash, but nothing ran out of memory; the build that comes back draws ``upgrade_scale``."""
+        self._flush_all_tokens()
+        for rid in tuple(self._requests):
+            self._events.append(Failed(rid, t, "engine restarting: new build", None))
+        self._device.crash()
+        self._upgraded = True
+        self._up = False
+        self._down_until = t + self.profile.restart_s
+        self._step = None
+        self._requests = {}
+        self._waiting = []
+        self._running = []
+        self._chunked = None
+        self._dirty = set()
 
     def _next_idle_publish(self) -> float | None:
         if not self._up or self._step is not None:
@@ -536,6 +615,9 @@ class EngineModel:
             tp = p.transient_pieces(n, req.prefilled + n)
             pieces.append(("context", self._noisy(tp.context)))
             pieces.append(("gather", self._noisy(tp.gather)))
+            if req.logprob_start is not None:
+                rows = req.prefilled + n - max(req.prefilled, req.logprob_start)
+                pieces.append(("logits", self._noisy(max(0, rows) * p.logprob_bytes_per_token)))
         duration = p.step_overhead_s + sum(p.prefill_seconds(n, req.prefilled) for req, n in items)
         self._step = _Step("prefill", t, t + duration, items, new_input, hits)
         self._allocate(t, pieces)
@@ -560,10 +642,23 @@ class EngineModel:
         if extra:
             self._allocate(t, [("unknown", extra)])
 
+    def _drawn(self, t: float, nbytes: int) -> int:
+        """What the engine really allocates for a piece its model sizes at ``nbytes``: the robustness
+        perturbations (``LaneProfile.transient_scale``, ``upgrade_scale``, ``allocation_round_bytes``)."""
+        p = self.profile
+        scale = p.transient_scale if t >= p.transient_scale_from_s else 1.0
+        if self._upgraded:
+            scale *= p.upgrade_scale
+        if scale != 1.0:
+            nbytes = round(nbytes * scale)
+        block = p.allocation_round_bytes
+        return -(-nbytes // block) * block if block > 0 else nbytes
+
     def _allocate(self, t: float, pieces: list[tuple[str, int]]) -> None:
         for _what, nbytes in pieces:
             if nbytes <= 0:
                 continue
+            nbytes = self._drawn(t, nbytes)
             try:
                 self._device.allocate(nbytes)
             except OutOfMemory as oom:
@@ -661,9 +756,75 @@ class EngineModel:
             req.in_running = False
         self._release(req, t, finished=True)
         del self._requests[req.rid]
+        if req.prime:
+            self._spawn_samples(req, t)
+            return
         self._events.append(
             Finished(req.rid, t, req.prompt_tokens, req.output, req.cached_tokens, "length", req.retractions)
         )
+
+    def _spawn_samples(self, prime: _Request, t: float) -> None:
+        """The caching pass is done: queue the copies at once (SGLang's TokenizerManager sends them in
+        one loop, so the scheduler admits them into one extend batch)."""
+        assert prime.parent is not None
+        fam = self._families.get(prime.parent)
+        if fam is None:
+            return
+        fam.cached_tokens = prime.cached_tokens
+        for i in range(fam.samples):
+            self._seq += 1
+            rid = f"{prime.parent}#{i}"
+            req = _Request(
+                rid=rid,
+                prompt_tokens=fam.prompt_tokens,
+                max_new_tokens=fam.max_new_tokens,
+                prefix_key=fam.prefix_key,
+                cached_tokens_hint=None,
+                priority=fam.priority,
+                arrival=t,
+                seq=self._seq,
+                target=fam.prompt_tokens,
+                parent=prime.parent,
+                logprob_start=fam.logprob_start,
+            )
+            self._parents[rid] = prime.parent
+            self._requests[rid] = req
+            self._enqueue(req)
+
+    def _translate(self, ev: Event) -> list[Event]:
+        """A copy's or a caching pass's event as the client sees it: one request, one end."""
+        if isinstance(ev, Crashed):
+            rids = dict.fromkeys(self._parents.get(r, r) for r in ev.failed_rids)
+            return [Crashed(ev.t, ev.reason, ev.requested_bytes, ev.free_bytes, tuple(rids))]
+        rid = getattr(ev, "rid", None)
+        parent = self._parents.get(rid) if rid is not None else None
+        if parent is None:
+            return [ev]
+        fam = self._families.get(parent)
+        if fam is None or fam.ended or ((rid or "").endswith("#prime") and not isinstance(ev, Failed)):
+            return []
+        if isinstance(ev, FirstToken):
+            if fam.first_sent:
+                return []
+            fam.first_sent = True
+            return [FirstToken(parent, ev.t, fam.prompt_tokens, fam.cached_tokens)]
+        if isinstance(ev, Tokens):
+            fam.output += ev.count
+            return [Tokens(parent, ev.t, ev.count, fam.output)]
+        if isinstance(ev, Retracted):
+            return [Retracted(parent, ev.t, ev.retractions)]
+        if isinstance(ev, Failed):
+            fam.ended = True
+            self._families.pop(parent, None)
+            return [Failed(parent, ev.t, ev.reason, ev.status)]
+        if isinstance(ev, Finished):
+            fam.done += 1
+            fam.completed += ev.completion_tokens
+            if fam.done < fam.samples:
+                return []
+            self._families.pop(parent, None)
+            return [Finished(parent, ev.t, fam.prompt_tokens, fam.completed, fam.cached_tokens, "length", 0)]
+        return [ev]
 
     # ------------------------------------------------------------------ retraction
     def _retract_one(self, t: float) -> None:
@@ -708,6 +869,8 @@ class EngineModel:
         if req.cached_tokens_hint is not None and req.retractions == 0:
             hit = min(hit, req.cached_tokens_hint)
         hit = min(hit, req.target - 1)  # SGLang always computes at least one token
+        if req.logprob_start is not None:
+            hit = min(hit, req.logprob_start)  # no cache reuse past logprob_start_len (evidence B4)
         return max(0, hit), entry
 
     def _alloc_kv(self, n: int, t: float) -> bool:

@@ -117,6 +117,22 @@ class LaneProfile:
     transient_noise: float = 0.0
     unknown_extra_bytes: int = 0
     unknown_extra_min_running: int = 2
+    # Input-token logprobs: fp32 logits over the vocabulary and their log-softmax, per prompt token of a
+    # chunk from logprob_start_len on (evidence B3); the Qwen3 family's vocabulary of 151,936.
+    logprob_bytes_per_token: int = 8 * 151_936
+
+    # --- what the engine does that no policy was told (the benchmark's robustness block) -------------
+    # Every transient piece and the batch join drawn this many times their model size from engine time
+    # ``transient_scale_from_s`` on (an upgrade, a kernel change); 1.0 before it.
+    transient_scale: float = 1.0
+    transient_scale_from_s: float = 0.0
+    # Every allocation rounded up to this many bytes (PyTorch's caching allocator: 2 MiB blocks); 0: exact.
+    allocation_round_bytes: int = 0
+    # A planned restart at this engine time (a new build rolled out): in-flight requests fail, the
+    # engine is down ``restart_s`` and comes back with its transients ``upgrade_scale`` times larger
+    # (on top of ``transient_scale``). Not a crash. None: never.
+    upgrade_at_s: float | None = None
+    upgrade_scale: float = 1.0
     # PyTorch's caching allocator keeps freed transients reserved, so NVML free stays at the low-water
     # mark; an out-of-memory retry releases the cache first, so only live bytes decide a crash. On by
     # default: every PyTorch engine does this (measured on an H200: bench/results/).

@@ -37,6 +37,9 @@ class Shape:
     chunk_tokens: int
     # Sequences the request creates (prompts x samples per prompt).
     sequences: int = 1
+    # Prompt tokens of the largest chunk whose input-token logprobs the engine computes (``return_logprob``
+    # with ``logprob_start_len`` >= 0): a row of logits over the vocabulary each (:func:`input_logprobs`).
+    logprob_rows: int = 0
 
 
 def fixed(c: CostModel, s: Shape) -> float:
@@ -65,12 +68,24 @@ def chunk_context(c: CostModel, s: Shape) -> float:
     return c.chunk_context_bytes * s.chunk_tokens * s.prompt_tokens
 
 
+def input_logprobs(c: CostModel, s: Shape) -> float:
+    """Input-token logprobs: SGLang's ``LogitsProcessor`` computes full-vocabulary logits for every
+    prompt token of the chunk from ``logprob_start_len`` on, in fp32, and log-softmaxes a copy of them
+    (evidence B3): ``logprob_bytes_per_token`` per such row. Prefill chunks bound the rows."""
+    return c.logprob_bytes_per_token * s.logprob_rows
+
+
 Term = Callable[[CostModel, Shape], float]
-TERMS: tuple[Term, ...] = (fixed, activations, context_temporaries, chunk_context, gather)
+TERMS: tuple[Term, ...] = (fixed, activations, context_temporaries, chunk_context, gather, input_logprobs)
 
 
-def shape(prompt_tokens: int, uncached_tokens: int, chunk: int, sequences: int = 1) -> Shape:
-    return Shape(prompt_tokens, uncached_tokens, min(uncached_tokens, chunk) or 1, sequences)
+def shape(
+    prompt_tokens: int, uncached_tokens: int, chunk: int, sequences: int = 1, logprob_tokens: int = 0
+) -> Shape:
+    """``logprob_tokens``: prompt tokens whose input logprobs are asked for (0: none); the largest
+    chunk computes at most ``min(logprob_tokens, chunk)`` rows of them."""
+    chunk_tokens = min(uncached_tokens, chunk) or 1
+    return Shape(prompt_tokens, uncached_tokens, chunk_tokens, sequences, min(logprob_tokens, chunk_tokens))
 
 
 # What a projection past float range stands for: more bytes than any device has, so the request is
@@ -82,6 +97,32 @@ def project_bytes(c: CostModel, s: Shape, terms: tuple[Term, ...] = TERMS) -> in
     try:
         total = sum(t(c, s) for t in terms) * c.margin
     except OverflowError:  # an integer term too large for the float ones it is added to
+        return UNBOUNDED_BYTES
+    return min(int(total), UNBOUNDED_BYTES) if math.isfinite(total) else UNBOUNDED_BYTES
+
+
+def project_samples(c: CostModel, prompt_tokens: int, prompts: int, samples: int) -> int:
+    """The extend batch of ``n`` > 1 parallel samples, margin included (evidence B1, B2).
+
+    SGLang's ``TokenizerManager`` first sends each prompt alone with ``max_new_tokens`` 0 (its prefill,
+    priced by :func:`project_bytes`, caches it), waits for it, then sends ``n`` copies of each prompt
+    at once. The copies reach the scheduler together and are admitted into one extend batch: each hits
+    the cache for all but its last token and computes one token at the whole context. What grows with
+    the context is per request in that batch (FlashInfer sizes ``kv_indices`` to the sum of the
+    batch's sequence lengths), so each copy draws the context terms again: ``prompts x samples``
+    one-token chunks at the prompts' context, the fixed term once. The gather is capped per copy."""
+    k, n = max(1, prompts), max(1, samples)
+    whole = Shape(prompt_tokens, 1, 1)  # one token of every copy, at the prompts' summed context
+    # The gather is concave in the context: k gathers at the mean prompt bound the k actual ones.
+    mean = Shape(max(1, -(-prompt_tokens // k)), 1, 1)
+    try:
+        total = (
+            fixed(c, whole)
+            + activations(c, whole) * k * n
+            + (context_temporaries(c, whole) + chunk_context(c, whole)) * n
+            + gather(c, mean) * k * n
+        ) * c.margin
+    except OverflowError:
         return UNBOUNDED_BYTES
     return min(int(total), UNBOUNDED_BYTES) if math.isfinite(total) else UNBOUNDED_BYTES
 

@@ -5,7 +5,14 @@ Every sequence the request creates is counted. A ``/generate`` batch of 8 prompt
 (SGLang's ``parallel_sample_num``), is 8 sequences: 8 entries in the engine's queue, 8 Mamba working
 states, 8 decode reserves in the KV pool. The prompts themselves are prefilled once each: with
 ``n`` > 1 SGLang first prefills every prompt alone to cache it, and the samples then share that
-prefix, so the prompt's KV and the prefill transient do not multiply with ``n``.
+prefix, so the prompt's KV does not multiply with ``n``. The transient does, in part: the ``n``
+copies are then admitted together as one extend batch of one token each at the whole context, and
+what grows with the context is allocated per copy (``cost.project_samples``, evidence B1, B2). The
+projection is the larger of the prompt's prefill and that batch.
+
+Input-token logprobs (``return_logprob`` with ``logprob_start_len`` >= 0) add a row of logits per
+prompt token of a chunk from that position on, and stop the engine from reusing the cache beyond it
+(evidence B3, B4).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sidecar.core.cost import project_bytes, project_own, shape
+from sidecar.core.cost import project_bytes, project_own, project_samples, shape
 from sidecar.core.rules import Rules
 
 
@@ -46,10 +53,15 @@ class Demand:
     deadline: float
     # Admitted priced by its own chunk schedule (``decide``: it starts its own prefill batch).
     own_schedule: bool = False
+    # First prompt position whose input logprob the engine computes; None: none (SGLang's -1).
+    logprob_start: int | None = None
 
     def own_bytes(self, rules: Rules) -> int:
         """Its peak when it starts its own prefill batch (``cost.project_own``), computed only where
-        a decision considers it (rarely: the full-chunk projection did not fit)."""
+        a decision considers it (rarely: the full-chunk projection did not fit). Samples and input
+        logprobs have no own schedule: their full projection."""
+        if self.sequences > self.prompts or self.logprob_start is not None:
+            return self.projected_bytes
         return project_own(rules.cost, self.prompt_tokens, self.uncached_tokens, self.chunk_size)
 
 
@@ -67,6 +79,7 @@ def build(
     chunk: int | None = None,
     request_id: str = "",
     own_schedule: bool = False,
+    logprob_start: int | None = None,
 ) -> Demand:
     chunk = chunk or rules.lane.chunked_prefill_size
     if not exact:
@@ -74,9 +87,18 @@ def build(
         # a prompt really that long is refused by the engine itself with a 400, before any prefill.
         prompt_tokens = min(prompt_tokens, rules.lane.context_len)
     cached = min(max(0, cached_tokens), prompt_tokens)
+    logprob_tokens = 0
+    if logprob_start is not None:
+        logprob_start = max(0, logprob_start)
+        # SGLang matches the prefix cache only up to logprob_start_len (Req.init_next_round_input).
+        cached = min(cached, logprob_start)
+        logprob_tokens = max(1, prompt_tokens - logprob_start)
     uncached = prompt_tokens - cached
     prompts = max(1, prompts)
     sequences = prompts * max(1, samples)
+    projected = project_bytes(rules.cost, shape(prompt_tokens, uncached, chunk, sequences, logprob_tokens))
+    if sequences > prompts:
+        projected = max(projected, project_samples(rules.cost, prompt_tokens, prompts, sequences // prompts))
     max_new = max(0, max_new_tokens or 0)
     return Demand(
         request_id=request_id,
@@ -89,12 +111,13 @@ def build(
         max_new_tokens=max_new,
         kv_tokens=uncached + math.ceil(rules.kv.decode_reserve_fraction * max_new * sequences),
         mamba_slots=_mamba_slots(rules, prompt_tokens, prompts, sequences),
-        projected_bytes=project_bytes(rules.cost, shape(prompt_tokens, uncached, chunk, sequences)),
+        projected_bytes=projected,
         chunk_size=chunk,
         priority=priority or 0,
         arrived_at=arrived_at,
         deadline=arrived_at + rules.hold.max_wait_s,
         own_schedule=own_schedule,
+        logprob_start=logprob_start,
     )
 
 
@@ -124,4 +147,5 @@ def reprice(rules: Rules, d: Demand) -> Demand:
         request_id=d.request_id,
         arrived_at=d.arrived_at,
         own_schedule=d.own_schedule,
+        logprob_start=d.logprob_start,
     )

@@ -57,6 +57,9 @@ class CostModel:
     margin: float
     # Bytes per chunk token per context token ([chunk_rows, context] buffers, indexer-style).
     chunk_context_bytes: float = 0.0
+    # Bytes per prompt token whose input logprob is computed (fp32 logits and their log-softmax over
+    # the vocabulary, ``cost.input_logprobs``); 0: never priced.
+    logprob_bytes_per_token: int = 0
     # Allocated when a request joins the running batch, as a function of that batch (not a prefill
     # term: ``constraints.BatchJoin`` checks it while requests run). None: never measured (0).
     batch_join_bytes: int | None = None

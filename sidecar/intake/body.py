@@ -172,6 +172,10 @@ class GenerationRequest:
     n_texts: int = 1
     # Completions per prompt (OpenAI `n`, /generate `sampling_params.n`): each is a running sequence.
     parallel_samples: int = 1
+    # /generate `return_logprob` with `logprob_start_len` >= 0: the first prompt position whose input
+    # logprob the engine computes (the smallest over a batch); None: none (SGLang's default -1, and
+    # the OpenAI routes, which never compute prompt logprobs).
+    logprob_start: int | None = None
     # /generate image_data/video_data/audio_data items; chat media parts are counted from `messages`.
     media_items: int = 0
     # The `emulator` body extension (or a bare explain body): the client's own statement of its size.
@@ -728,6 +732,7 @@ def _generate(obj: dict[str, Any], common: dict[str, Any], declared: bool) -> Ge
     return GenerationRequest(
         **common,
         max_new_tokens=max_new,
+        logprob_start=_logprob_start(obj),
         rid=rid,
         rids=rids,
         model=None,
@@ -740,6 +745,24 @@ def _generate(obj: dict[str, Any], common: dict[str, Any], declared: bool) -> Ge
         parallel_samples=samples,
         media_items=sum(_count_media(obj.get(key)) for key in _MEDIA_KEYS),
     )
+
+
+def _logprob_start(obj: dict[str, Any]) -> int | None:
+    """Where input-token logprobs start, from /generate's `return_logprob` and `logprob_start_len`
+    (each a value or a per-prompt list): the smallest start >= 0 of a prompt that asks for logprobs."""
+    asks, starts = obj.get("return_logprob"), obj.get("logprob_start_len")
+    if not asks or starts is None:
+        return None
+    n = max(len(v) if isinstance(v, list) else 1 for v in (asks, starts))
+    ask_list = asks if isinstance(asks, list) else [asks] * n
+    start_list = starts if isinstance(starts, list) else [starts] * n
+    found: list[int] = []
+    for i, (ask, item) in enumerate(zip(ask_list, start_list, strict=False)):
+        where = f"logprob_start_len[{i}]" if isinstance(starts, list) else "logprob_start_len"
+        start = _opt_int({where: item}, where, where, minimum=-1)
+        if ask is True and start is not None and start >= 0:
+            found.append(start)
+    return min(found) if found else None
 
 
 def _openai(obj: dict[str, Any], kind: str, common: dict[str, Any], declared: bool) -> GenerationRequest:

@@ -44,6 +44,7 @@ def demand_of(
         max_new_tokens=req.max_new_tokens,
         prompts=req.n_texts,
         samples=req.parallel_samples,
+        logprob_start=req.logprob_start,
         priority=req.priority,
         chunk=e.chunked_prefill_size if e else None,
         request_id=request_id,

@@ -177,6 +177,11 @@ class Cost(_Strict):
     chunk_context_bytes: float = Field(default=0.0, ge=0)
     gather_bytes_per_context_token: Size = 0
     gather_cap_bytes: Size | None = None
+    # Input-token logprobs (/generate ``return_logprob`` with ``logprob_start_len`` >= 0): SGLang computes
+    # fp32 logits over the vocabulary for every such prompt token of a chunk and log-softmaxes a copy, 8
+    # bytes per vocabulary entry per token (evidence B3). The default is the Qwen3 family's vocabulary
+    # of 151,936 (8 x 151,936 B); set 8 x your model's vocabulary size.
+    logprob_bytes_per_token: Size = 8 * 151_936
     # What the running batch allocates when a request joins it (SGLang merges a finished prefill into
     # the decode batch); a function of the running batch size.
     # None: never measured (counts as 0, and calibrate probes for it); 0: measured, nothing seen.
