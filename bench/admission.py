@@ -143,6 +143,31 @@ def perturbed(profile: LaneProfile, lag: str, perturbation: str) -> LaneProfile:
         )
     elif perturbation.startswith("noise"):
         p = p.replace(transient_noise=int(perturbation[5:]) / 100)
+    else:
+        p = robust_profile(p, perturbation)
+    return p
+
+
+# The robustness block's engine changes (bench/robustness.py), each a property of the emulated engine
+# that the policy is not told: ``round2m`` every allocation rounded up to 2 MiB blocks (PyTorch's
+# caching allocator); ``sysX`` transients X times the model from the start; ``lateX`` from LATE_S on (an
+# engine change under a running sidecar); ``upgradeX`` a planned restart at LATE_S onto a build whose
+# transients are X times larger.
+LATE_S = 20.0
+
+
+def robust_profile(p: LaneProfile, perturbation: str) -> LaneProfile:
+    if perturbation == "round2m":
+        return p.replace(allocation_round_bytes=2 * MiB)
+    for prefix, change in (
+        ("sys", lambda x: {"transient_scale": x}),
+        ("late", lambda x: {"transient_scale": x, "transient_scale_from_s": LATE_S}),
+        ("upgrade", lambda x: {"upgrade_at_s": LATE_S, "upgrade_scale": x}),
+    ):
+        if perturbation.startswith(prefix):
+            return p.replace(**change(float(perturbation[len(prefix) :])))
+    if perturbation not in ("none", "neighbour"):
+        raise ValueError(f"unknown perturbation {perturbation!r}")
     return p
 
 
@@ -413,6 +438,7 @@ def run_task(task: Task) -> dict[str, Any]:
         "perturbation": task.perturbation,
         "seed": seed,
         "crashes": len(r["crashes"]),
+        "crash_times": [c["t"] for c in r["crashes"]],
         "crash_reasons": sorted({c["reason"].split(".")[0] for c in r["crashes"]}),
         "downtime_s": r["downtime_s"],
         "requests": r["requests"],
@@ -1111,6 +1137,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument(
+        "--no-robustness", action="store_true", help="skip the robustness block (bench/robustness.py)"
+    )
+    ap.add_argument(
         "--from-json",
         type=Path,
         metavar="PATH",
@@ -1163,7 +1192,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plot:
         plot(rows, args.png, _title(rows))
         print(f"wrote {args.png}")
-    return 0
+    if args.no_robustness:
+        return 0
+    import robustness  # bench/robustness.py: imports this module, so only here
+
+    text, ok, robust_rows = robustness.run(robustness.SCENARIOS, args.seeds, args.jobs)
+    print("\n" + text)
+    args.json.with_name(args.json.stem + "-robustness.json").write_text(
+        json.dumps(robust_rows, indent=1, sort_keys=True) + "\n"
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

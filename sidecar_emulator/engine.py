@@ -492,7 +492,7 @@ class EngineModel:
         self._device.crash()
         self._upgraded = True
         self._up = False
-        self._down_until = t + self.profile.restart_s
+        self._down_until = t + self.profile.upgrade_down_s
         self._step = None
         self._requests = {}
         self._waiting = []

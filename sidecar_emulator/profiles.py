@@ -133,6 +133,9 @@ class LaneProfile:
     # (on top of ``transient_scale``). Not a crash. None: never.
     upgrade_at_s: float | None = None
     upgrade_scale: float = 1.0
+    # How long that planned restart keeps the lane down (assumed: a rolling restart with the weights in
+    # the page cache, not the 774 s crash recovery of evidence I6).
+    upgrade_down_s: float = 60.0
     # PyTorch's caching allocator keeps freed transients reserved, so NVML free stays at the low-water
     # mark; an out-of-memory retry releases the cache first, so only live bytes decide a crash. On by
     # default: every PyTorch engine does this (measured on an H200: bench/results/).

@@ -66,6 +66,7 @@ def test_a_tiny_run_writes_rows_of_every_gate_and_the_oracle_bounds_them(tmp_pat
             "1",
             "--json",
             str(out),
+            "--no-robustness",
         ],
         capture_output=True,
         text=True,
@@ -217,3 +218,43 @@ def test_policy_set_changes_the_sidecars_policy_validated_and_names_a_wrong_fiel
     task = bench.Task("band-below-limit", 0, "default", "none", "sidecar", None, (("cost.margin", "1.1"),))
     row = bench.run_task(task)
     assert row["setting"].endswith(" cost.margin=1.1") and row["completed"] == 0 and row["crashes"] == 0
+
+
+def test_the_robustness_block_runs_its_engine_changes_and_prints_its_acceptance() -> None:
+    """A smoke of bench/robustness.py on one scenario and seed: every row is run for the sidecar and
+    the oracle on the perturbed engine, and each acceptance line is printed with its verdict."""
+    robustness = _load("robustness")
+    rows = robustness.A.run_all(robustness.tasks(["agents-with-subagents"], 1), None, "smoke")
+    assert {r["perturbation"] for r in rows} == {p for _, p, _ in robustness.ROWS}
+    summary = robustness.summarise(rows)
+    lines = robustness.acceptance(summary)
+    text = robustness.format_block(summary, lines)
+    assert "Acceptance:" in text and all(t in text for _, t in lines)
+    # Within the stated safety the shipped bounded-build policy does not crash on this scenario.
+    assert all(s["crashes"] == 0 for s in summary if s["class"] == "within")
+
+
+def test_the_engine_changes_are_the_engines_not_the_policys() -> None:
+    """The perturbations change what the emulated engine draws, never the profile's model terms that
+    a policy or calibrate would read."""
+    admission = _load("robustness").A
+    base = admission.profile_for("maxq-bounded")
+    for name in ("round2m", "sys1.03", "late1.10", "upgrade1.10"):
+        p = admission.perturbed(base, "default", name)
+        assert (p.activation_bytes_per_token, p.context_bytes_per_token) == (
+            base.activation_bytes_per_token,
+            base.context_bytes_per_token,
+        )
+    assert admission.perturbed(base, "default", "round2m").allocation_round_bytes == 2 * 1024 * 1024
+    assert admission.perturbed(base, "default", "late1.10").transient_scale_from_s == admission.LATE_S
+
+
+def _load(name: str) -> ModuleType:
+    """A bench module by its own name (bench/robustness.py imports bench/admission.py as ``admission``)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))

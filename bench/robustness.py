@@ -1,0 +1,166 @@
+"""The admission benchmark's robustness block: engine changes the policy was not told about.
+
+Each row runs the shipped lane policies (the scenarios' own) on an emulated engine that differs from
+the one the policy describes, and the oracle (a copy of the true engine decides each admission) on the
+same engine, over the same seeds:
+
+* within the policy's stated safety: every allocation rounded up to 2 MiB blocks (PyTorch's caching
+  allocator), transients x1.03 and x1.05 from the start, x1.05 from a moment on;
+* beyond it: transients x1.10 and x1.25 from a moment on (``admission.LATE_S``);
+* a planned restart onto a new build whose transients are x1.10.
+
+Acceptance (issue 29): 0 crashes within the safety; beyond it at most one crash per run (none after
+the first), none after a restart with a new build; every row >= 90 % of the oracle's goodput; rounding
+or x1.03 cost <= 5 % against the unperturbed engine. Run by ``bench/admission.py`` (``make
+bench-admission``) after its study; alone: ``python bench/robustness.py --seeds 3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import admission as A
+
+# (label, perturbation, class): "base" the unperturbed engine, "within" the policy's stated safety,
+# "beyond" more than it, "upgrade" a restart onto a new build.
+ROWS: list[tuple[str, str, str]] = [
+    ("unperturbed", "none", "base"),
+    ("allocations rounded to 2 MiB", "round2m", "within"),
+    ("transients x1.03", "sys1.03", "within"),
+    ("transients x1.05", "sys1.05", "within"),
+    ("transients x1.05 from a moment on", "late1.05", "within"),
+    ("transients x1.10 from a moment on", "late1.10", "beyond"),
+    ("transients x1.25 from a moment on", "late1.25", "beyond"),
+    ("restart onto a build x1.10", "upgrade1.10", "upgrade"),
+]
+SCENARIOS = ["maxq-outage-burst", "agents-with-subagents"]
+NOT_YET = [
+    "n > 1 sampling (the engine model runs it: tests/test_samples_logprobs.py; no scenario sends it yet)",
+    "a dense lane with a small pool (70B-class FP8, one H100 80 GB, 0.90, ~33K-token pool, 128K context)",
+    "a two-GPU lane with unequal neighbours",
+    "calibrate-then-serve on a lane shape no profile has (700 MiB fixed per step)",
+]
+
+
+def tasks(scenarios: list[str], seeds: int) -> list[A.Task]:
+    return [
+        A.Task(sc, i, "default", pert, gate)
+        for sc in scenarios
+        for i in range(seeds)
+        for _, pert, _ in ROWS
+        for gate in ("sidecar", "oracle")
+    ]
+
+
+def _goodput(r: dict[str, Any], span: float) -> float:
+    return r["served_tokens"] / (span or 1.0)
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per robustness row: crashes, the worst run against the oracle and against the
+    unperturbed engine (same scenario and seed; the longer of the two spans, as in the study)."""
+    by = {(r["scenario"], r["seed"], r["perturbation"], r["gate"]): r for r in rows}
+    out = []
+    for label, pert, klass in ROWS:
+        runs = [r for r in rows if r["perturbation"] == pert and r["gate"] == "sidecar"]
+        vs_oracle, vs_base, crashes, late = [], [], [], 0
+        for r in runs:
+            o = by[(r["scenario"], r["seed"], pert, "oracle")]
+            base = by[(r["scenario"], r["seed"], "none", "sidecar")]
+            span = max(r["span_s"], o["span_s"])
+            vs_oracle.append(_goodput(r, span) / max(_goodput(o, span), 1e-9))
+            bspan = max(r["span_s"], base["span_s"])
+            vs_base.append(_goodput(r, bspan) / max(_goodput(base, bspan), 1e-9))
+            crashes.append(r["crashes"])
+            late += sum(1 for t in r.get("crash_times", []) if t >= A.LATE_S)
+        out.append(
+            {
+                "row": label,
+                "perturbation": pert,
+                "class": klass,
+                "runs": len(runs),
+                "crashes": sum(crashes),
+                "max_crashes_per_run": max(crashes, default=0),
+                "crashes_after_restart": late if klass == "upgrade" else None,
+                "worst_vs_oracle": min(vs_oracle, default=0.0),
+                "worst_vs_unperturbed": min(vs_base, default=0.0),
+            }
+        )
+    return out
+
+
+def acceptance(summary: list[dict[str, Any]]) -> list[tuple[bool, str]]:
+    lines = []
+    for s in summary:
+        name = s["row"]
+        if s["class"] == "within":
+            lines.append((s["crashes"] == 0, f"{name}: 0 crashes within the stated safety ({s['crashes']})"))
+        if s["class"] == "beyond":
+            ok = s["max_crashes_per_run"] <= 1
+            lines.append((ok, f"{name}: at most one crash per run ({s['max_crashes_per_run']})"))
+        if s["class"] == "upgrade":
+            ok = s["crashes_after_restart"] == 0
+            lines.append((ok, f"{name}: no crash after the restart ({s['crashes_after_restart']})"))
+        lines.append(
+            (
+                s["worst_vs_oracle"] >= 0.90,
+                f"{name}: >= 90 % of the oracle (worst {s['worst_vs_oracle']:.1%})",
+            )
+        )
+        if s["perturbation"] in ("round2m", "sys1.03"):
+            cost = 1.0 - s["worst_vs_unperturbed"]
+            lines.append((cost <= 0.05, f"{name}: costs <= 5 % against the unperturbed engine ({cost:.1%})"))
+    return lines
+
+
+def format_block(summary: list[dict[str, Any]], lines: list[tuple[bool, str]]) -> str:
+    head = (
+        "| row | class | runs | crashes | max/run | after restart | worst vs oracle | worst vs unperturbed |"
+    )
+    out = ["## Robustness block (shipped lane policies; engine changes they were not told about)", "", head]
+    out.append("|---|---|---|---|---|---|---|---|")
+    for s in summary:
+        after = "" if s["crashes_after_restart"] is None else str(s["crashes_after_restart"])
+        out.append(
+            f"| {s['row']} | {s['class']} | {s['runs']} | {s['crashes']} | {s['max_crashes_per_run']} | "
+            f"{after} | {s['worst_vs_oracle']:.1%} | {s['worst_vs_unperturbed']:.1%} |"
+        )
+    out += ["", "Acceptance:"]
+    out += [f"  {'PASS' if ok else 'FAIL'}  {text}" for ok, text in lines]
+    out += ["", "Not in the block yet:"] + [f"  - {n}" for n in NOT_YET]
+    return "\n".join(out)
+
+
+def run(scenarios: list[str], seeds: int, jobs: int) -> tuple[str, bool, list[dict[str, Any]]]:
+    """The block's table, whether every acceptance line holds, and its rows."""
+    todo = tasks(scenarios, seeds)
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, initializer=A._quiet) as pool:
+            rows = A.run_all(todo, pool, "robustness")
+    else:
+        rows = A.run_all(todo, None, "robustness")
+    summary = summarise(rows)
+    lines = acceptance(summary)
+    return format_block(summary, lines), all(ok for ok, _ in lines), rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--scenarios", nargs="*", default=SCENARIOS)
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    A._quiet()
+    text, ok, _ = run(args.scenarios, args.seeds, args.jobs)
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
