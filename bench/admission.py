@@ -267,9 +267,30 @@ def _family(name: str, seed: int) -> Scenario:
                 Requests(kind="requests", requests=chat, retries=2),
             ],
         )
+    if name == "samples-n4":
+        reqs = []
+        t = 0.0
+        for _ in range(10):
+            reqs.append(
+                Request(
+                    t=round(t, 3), prompt_tokens=rng.randint(20_000, 120_000), max_new_tokens=512, samples=4
+                )
+            )
+            t += rng.expovariate(1 / 15)
+        return Scenario(
+            name=name,
+            description="10 requests of 20K-120K tokens, each with n = 4 parallel samples, on the Mamba lane",
+            profile="mamba-lane",
+            policy="policies/mamba-lane.yaml",
+            seed=seed,
+            duration_s=1800,
+            workload=[Requests(kind="requests", requests=reqs, retries=3)],
+        )
     raise KeyError(name)
 
 
+# Scenarios of the robustness block only (bench/robustness.py), not of the study.
+ROBUSTNESS_FAMILIES = ["samples-n4"]
 FAMILIES = ["band-below-limit", "two-cached-agents", "h200-qwen3next-0.90", "h200-qwen3next-0.98"]
 
 
@@ -307,7 +328,7 @@ def jittered(sc: Scenario, index: int) -> Scenario:
 
 @cache
 def scenario(name: str, index: int) -> Scenario:
-    if name in FAMILIES:
+    if name in FAMILIES or name in ROBUSTNESS_FAMILIES:
         return _family(name, index)
     return jittered(load_scenario(ROOT / "scenarios" / f"{name}.yaml"), index)
 

@@ -27,35 +27,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import admission as A
 
-# (label, perturbation, class): "base" the unperturbed engine, "within" the policy's stated safety,
-# "beyond" more than it, "upgrade" a restart onto a new build.
-ROWS: list[tuple[str, str, str]] = [
-    ("unperturbed", "none", "base"),
-    ("allocations rounded to 2 MiB", "round2m", "within"),
-    ("transients x1.03", "sys1.03", "within"),
-    ("transients x1.05", "sys1.05", "within"),
-    ("transients x1.05 from a moment on", "late1.05", "within"),
-    ("transients x1.10 from a moment on", "late1.10", "beyond"),
-    ("transients x1.25 from a moment on", "late1.25", "beyond"),
-    ("restart onto a build x1.10", "upgrade1.10", "upgrade"),
-]
 SCENARIOS = ["maxq-outage-burst", "agents-with-subagents"]
+# (label, perturbation, class, scenarios): "base" the unperturbed engine, "within" the policy's stated
+# safety, "beyond" more than it, "upgrade" a restart onto a new build, "lane" a workload or lane shape
+# of its own (unperturbed engine). Scenarios None: ``SCENARIOS`` (or ``--scenarios``).
+ROWS: list[tuple[str, str, str, tuple[str, ...] | None]] = [
+    ("unperturbed", "none", "base", None),
+    ("allocations rounded to 2 MiB", "round2m", "within", None),
+    ("transients x1.03", "sys1.03", "within", None),
+    ("transients x1.05", "sys1.05", "within", None),
+    ("transients x1.05 from a moment on", "late1.05", "within", None),
+    ("transients x1.10 from a moment on", "late1.10", "beyond", None),
+    ("transients x1.25 from a moment on", "late1.25", "beyond", None),
+    ("restart onto a build x1.10", "upgrade1.10", "upgrade", None),
+    ("n = 4 parallel samples (Mamba lane)", "none", "lane", ("samples-n4",)),
+]
 NOT_YET = [
-    "n > 1 sampling (the engine model runs it: tests/test_samples_logprobs.py; no scenario sends it yet)",
     "a dense lane with a small pool (70B-class FP8, one H100 80 GB, 0.90, ~33K-token pool, 128K context)",
     "a two-GPU lane with unequal neighbours",
     "calibrate-then-serve on a lane shape no profile has (700 MiB fixed per step)",
 ]
 
 
+def _scenarios(row: tuple[str, str, str, tuple[str, ...] | None], default: list[str]) -> list[str]:
+    return list(row[3]) if row[3] is not None else default
+
+
 def tasks(scenarios: list[str], seeds: int) -> list[A.Task]:
-    return [
-        A.Task(sc, i, "default", pert, gate)
-        for sc in scenarios
-        for i in range(seeds)
-        for _, pert, _ in ROWS
-        for gate in ("sidecar", "oracle")
-    ]
+    out: dict[A.Task, None] = {}
+    for row in ROWS:
+        for sc in _scenarios(row, scenarios):
+            for i in range(seeds):
+                for gate in ("sidecar", "oracle"):
+                    out[A.Task(sc, i, "default", row[1], gate)] = None
+                out[A.Task(sc, i, "default", "none", "sidecar")] = None  # the unperturbed reference
+    return list(out)
 
 
 def _goodput(r: dict[str, Any], span: float) -> float:
@@ -66,9 +72,14 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One line per robustness row: crashes, the worst run against the oracle and against the
     unperturbed engine (same scenario and seed; the longer of the two spans, as in the study)."""
     by = {(r["scenario"], r["seed"], r["perturbation"], r["gate"]): r for r in rows}
+    default = [sc for sc in dict.fromkeys(r["scenario"] for r in rows) if not _special(sc)]
     out = []
-    for label, pert, klass in ROWS:
-        runs = [r for r in rows if r["perturbation"] == pert and r["gate"] == "sidecar"]
+    for row in ROWS:
+        label, pert, klass, _ = row
+        names = _scenarios(row, default)
+        runs = [
+            r for r in rows if r["perturbation"] == pert and r["gate"] == "sidecar" and r["scenario"] in names
+        ]
         vs_oracle, vs_base, crashes, late = [], [], [], 0
         for r in runs:
             o = by[(r["scenario"], r["seed"], pert, "oracle")]
@@ -95,11 +106,15 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _special(name: str) -> bool:
+    return any(row[3] is not None and name in row[3] for row in ROWS)
+
+
 def acceptance(summary: list[dict[str, Any]]) -> list[tuple[bool, str]]:
     lines = []
     for s in summary:
         name = s["row"]
-        if s["class"] == "within":
+        if s["class"] in ("within", "lane"):
             lines.append((s["crashes"] == 0, f"{name}: 0 crashes within the stated safety ({s['crashes']})"))
         if s["class"] == "beyond":
             ok = s["max_crashes_per_run"] <= 1

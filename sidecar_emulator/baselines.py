@@ -232,6 +232,7 @@ class Oracle(Gate):
             prefix_key=a.prefix,
             cached_tokens_hint=a.cached_tokens,
             priority=a.priority,
+            samples=a.samples,
         )
         if self._outcome(sim) != "crashed":
             return ADMIT

@@ -67,6 +67,8 @@ class Attempt:
     priority: int
     tries: int = 0
     handle: Handle | None = None
+    # Parallel samples per prompt (``n``): SGLang caches the prompt, then runs n copies of it.
+    samples: int = 1
     admitted_at: float | None = None
     first_token_at: float | None = None
 
@@ -130,6 +132,7 @@ def replace_attempt(a: Attempt, rid: str, t: float) -> Attempt:
         a.cached_tokens,
         a.priority,
         a.tries + 1,
+        samples=a.samples,
     )
 
 
@@ -149,6 +152,7 @@ class FixedRequests(Client):
                 r.prefix,
                 r.cached_tokens,
                 r.priority,
+                samples=r.samples,
             )
             self.driver.at(r.t, lambda a=a: self.driver.send(self, a))
 
@@ -164,7 +168,15 @@ class BurstClient(Client):
             t = s.start_s + i * s.interval_s
             tokens = rng.randint(*s.prompt_tokens)
             a = Attempt(
-                self.driver.new_rid("burst"), self, t, tokens, s.max_new_tokens, None, None, s.priority
+                self.driver.new_rid("burst"),
+                self,
+                t,
+                tokens,
+                s.max_new_tokens,
+                None,
+                None,
+                s.priority,
+                samples=s.samples,
             )
             self.driver.at(t, lambda a=a: self.driver.send(self, a))
 
@@ -195,6 +207,7 @@ class RoundsClient(Client):
                 None,
                 None,
                 0,
+                samples=self.spec.samples,
             )
             self.driver.send(self, a)
 
@@ -362,6 +375,7 @@ def attempt_demand(a: Attempt, rules: Rules, now: float, profile: LaneProfile, r
         a.prompt_tokens,
         arrived_at=now,
         max_new_tokens=a.max_new_tokens,
+        samples=a.samples,
         priority=a.priority,
         request_id=request_id,
         chunk=profile.chunked_prefill_size,
@@ -379,6 +393,7 @@ def submit_attempt(engine: Any, rid: str, a: Attempt, now: float) -> None:
         prefix_key=a.prefix,
         cached_tokens_hint=a.cached_tokens,
         priority=a.priority,
+        samples=a.samples,
     )
 
 

@@ -40,6 +40,8 @@ class Request(_Strict):
     prefix: str | None = None
     cached_tokens: int | None = Field(default=None, ge=0)
     priority: int = 0
+    # Parallel samples (``n``): the prompt is cached, then n copies of it run (evidence B1).
+    samples: int = Field(default=1, ge=1, le=64)
 
 
 class Requests(_Strict):
@@ -59,6 +61,7 @@ class Burst(_Strict):
     max_new_tokens: int = Field(default=1024, ge=1)
     priority: int = 0
     retries: int = Field(default=0, ge=0)
+    samples: int = Field(default=1, ge=1, le=64)
 
 
 class Rounds(_Strict):
@@ -72,6 +75,7 @@ class Rounds(_Strict):
     prompt_tokens: TokenRange
     max_new_tokens: int = Field(ge=1)
     retries: int = Field(default=2, ge=0)
+    samples: int = Field(default=1, ge=1, le=64)
 
 
 class Join(_Strict):
