@@ -166,3 +166,81 @@ class TorchDevice:
 
     def restart(self) -> None:
         self._allocate_static()
+
+
+class TensorParallelDevice:
+    """The GPUs of a tensor-parallel engine, one device per rank (evidence B5).
+
+    Every rank runs the same step, so every transient is asked of every rank (the profile's figures
+    are per rank); the first rank that cannot allocate kills the engine, as one scheduler process's
+    out-of-memory error takes the whole TP group down. NVML-like readings are per rank
+    (:meth:`readings`); ``free_bytes`` is the smallest, the one that decides.
+    """
+
+    def __init__(self, ranks: list[Any]) -> None:
+        if not ranks:
+            raise ValueError("a tensor-parallel device needs at least one rank")
+        self.ranks = ranks
+        self.total_bytes = ranks[0].total_bytes
+
+    def free_bytes(self) -> int:
+        return min(r.free_bytes() for r in self.ranks)
+
+    def readings(self) -> list[tuple[int, int, int | None]]:
+        """(free, total, other processes' bytes) of every rank's GPU, in rank order."""
+        return [(r.free_bytes(), r.total_bytes, getattr(r, "other_process_bytes", None)) for r in self.ranks]
+
+    @property
+    def other_process_bytes(self) -> int | None:
+        known = [getattr(r, "other_process_bytes", None) for r in self.ranks]
+        return None if any(k is None for k in known) else max(k for k in known if k is not None)
+
+    def set_other_process_bytes(self, nbytes: int, rank: int | None = None) -> None:
+        """A neighbour changes on one rank's GPU (``rank``), or on every one (None)."""
+        for i, r in enumerate(self.ranks):
+            if rank is None or i == rank:
+                r.set_other_process_bytes(nbytes)
+
+    def allocate(self, nbytes: int) -> None:
+        for i, r in enumerate(self.ranks):
+            try:
+                r.allocate(nbytes)
+            except OutOfMemory as oom:
+                raise OutOfMemory(
+                    oom.requested_bytes, oom.free_bytes, f"[TP rank {i}] {oom.message}"
+                ) from oom
+
+    def release_transients(self) -> None:
+        for r in self.ranks:
+            r.release_transients()
+
+    def crash(self) -> None:
+        for r in self.ranks:
+            r.crash()
+
+    def restart(self) -> None:
+        for r in self.ranks:
+            r.restart()
+
+
+def rank_profiles(profile: LaneProfile) -> list[LaneProfile]:
+    """One profile per rank: the same figures, each with its own GPU's neighbours at start."""
+    others = profile.rank_other_process_bytes or (profile.other_process_bytes,) * profile.tp_size
+    if len(others) != profile.tp_size:
+        raise ValueError(f"rank_other_process_bytes has {len(others)} entries for tp_size {profile.tp_size}")
+    return [profile.replace(other_process_bytes=o) for o in others]
+
+
+def modeled(profile: LaneProfile) -> Any:
+    """The modeled device of a lane: one GPU, or one per rank under tensor parallelism."""
+    if profile.tp_size <= 1 and not profile.rank_other_process_bytes:
+        return ModeledDevice(profile)
+    return TensorParallelDevice([ModeledDevice(p) for p in rank_profiles(profile)])
+
+
+def on_cuda(profile: LaneProfile) -> Any:
+    """Real CUDA memory: one GPU, or one per rank (rank i on CUDA device i) under tensor parallelism."""
+    if profile.tp_size <= 1:
+        return TorchDevice(profile)
+    ranks = [TorchDevice(p, device_index=i) for i, p in enumerate(rank_profiles(profile))]
+    return TensorParallelDevice(ranks)

@@ -57,7 +57,7 @@ import bisect
 import random
 from dataclasses import dataclass, field
 
-from sidecar_emulator.device import Device, ModeledDevice, OutOfMemory
+from sidecar_emulator.device import Device, OutOfMemory, modeled
 from sidecar_emulator.events import (
     Crashed,
     CrashInfo,
@@ -177,7 +177,7 @@ class EngineModel:
         self.profile = profile
         self.seed = seed
         self._rng = random.Random(seed)
-        self._device: Device = device if device is not None else ModeledDevice(profile)
+        self._device: Device = device if device is not None else modeled(profile)
         self._clock = start_time
         self._events: list[Event] = []
         self._seq = 0
@@ -360,13 +360,28 @@ class EngineModel:
         """What other processes hold on the device (None on a real GPU: NVML says that there)."""
         return getattr(self._device, "other_process_bytes", None)
 
-    def set_other_process_bytes(self, nbytes: int, now: float) -> None:
-        """A neighbour on the card changes its memory at ``now`` (a scenario's GPU event)."""
+    def set_other_process_bytes(self, nbytes: int, now: float, rank: int | None = None) -> None:
+        """A neighbour on the card changes its memory at ``now`` (a scenario's GPU event); under tensor
+        parallelism on rank ``rank``'s GPU only (None: every rank's)."""
         self._advance_to(now)
         setter = getattr(self._device, "set_other_process_bytes", None)
         if setter is None:
             raise ValueError("this device cannot change other processes' memory (a real GPU)")
-        setter(nbytes)
+        if rank is None:
+            setter(nbytes)
+        elif not hasattr(self._device, "ranks"):
+            raise ValueError(f"rank {rank}: this engine has one GPU")
+        else:
+            setter(nbytes, rank)
+
+    def device_readings(self, now: float | None = None) -> list[tuple[int, int, int | None]]:
+        """(free, total, other processes' bytes) of each GPU the engine runs on, in rank order."""
+        if now is not None:
+            self._advance_to(now)
+        readings = getattr(self._device, "readings", None)
+        if readings is not None:
+            return list(readings())
+        return [(self._device.free_bytes(), self.total_bytes, self.other_process_bytes)]
 
     def release_device(self) -> None:
         """Free everything the engine holds on its device (the emulator is shutting down)."""

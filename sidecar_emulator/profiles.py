@@ -136,6 +136,15 @@ class LaneProfile:
     # How long that planned restart keeps the lane down (assumed: a rolling restart with the weights in
     # the page cache, not the 774 s crash recovery of evidence I6).
     upgrade_down_s: float = 60.0
+
+    # --- tensor parallelism --------------------------------------------------------------------
+    # Ranks (one engine process and one GPU each). Every device, static and transient figure of the
+    # profile is PER RANK (``tensor_parallel`` derives them from a one-GPU profile), every rank runs
+    # the same steps, and the engine dies when any rank's allocation fails.
+    tp_size: int = 1
+    # What other processes hold on each rank's GPU at start (default: ``other_process_bytes`` on every
+    # one); a neighbour on one card only is what makes per-GPU headroom matter.
+    rank_other_process_bytes: tuple[int, ...] = ()
     # PyTorch's caching allocator keeps freed transients reserved, so NVML free stays at the low-water
     # mark; an out-of-memory retry releases the cache first, so only live bytes decide a crash. On by
     # default: every PyTorch engine does this (measured on an H200: bench/results/).
@@ -229,6 +238,34 @@ class LaneProfile:
     def replace(self, **changes: object) -> LaneProfile:
         """A copy with some fields changed, e.g. ``p.replace(gather_cap_bytes=None)``."""
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def tensor_parallel(p: LaneProfile, tp: int, *, name: str | None = None) -> LaneProfile:
+    """``p`` (one GPU) served with ``--tp tp`` on ``tp`` such GPUs, each rank's figures as SGLang
+    splits them (evidence B5): weights, KV heads (bytes per pool token), Mamba states, activations and
+    the KV gather divide by ``tp``; the pool keeps the static fraction, so it takes the weight bytes a
+    rank no longer holds (more tokens at fewer bytes each); every rank allocates the same pool in
+    tokens. Kept whole on every rank: the context temporaries (index arrays over every request's
+    context are built per rank; the rest is unmeasured, so the safe side), input-logprob logits
+    (all-gathered to the full vocabulary), CUDA graphs and the batch join."""
+    weights = p.weights_bytes // tp
+    kv_per_token = max(1, p.kv_bytes_per_token // tp)
+    mamba_per_slot = p.mamba_bytes_per_slot // tp
+    pool_bytes = (
+        p.kv_pool_bytes + (p.weights_bytes - weights) + (p.mamba_pool_bytes - p.mamba_slots * mamba_per_slot)
+    )
+    return p.replace(
+        name=name or f"{p.name}-tp{tp}",
+        description=f"{p.description} (tensor parallel over {tp} GPUs; figures per rank)",
+        tp_size=tp,
+        weights_bytes=weights + pool_bytes % kv_per_token,
+        kv_bytes_per_token=kv_per_token,
+        kv_pool_tokens=pool_bytes // kv_per_token,
+        mamba_bytes_per_slot=mamba_per_slot,
+        activation_bytes_per_token=p.activation_bytes_per_token // tp,
+        gather_bytes_per_token=p.gather_bytes_per_token // tp,
+        gather_cap_bytes=None if p.gather_cap_bytes is None else p.gather_cap_bytes // tp,
+    )
 
 
 def _residual_weights(
@@ -565,8 +602,15 @@ def profile_names() -> list[str]:
 
 
 def get_profile(name: str) -> LaneProfile:
-    """The shipped profile called ``name``; a clear error lists the valid names."""
+    """The shipped profile called ``name``, or ``<profile>-tp<N>``: that lane with tensor parallelism over
+    N GPUs (:func:`tensor_parallel`); a clear error lists the valid names."""
+    base, sep, tp = name.rpartition("-tp")
+    if sep and tp.isdigit() and int(tp) >= 2 and base in PROFILES:
+        return tensor_parallel(PROFILES[base], int(tp), name=name)
     try:
         return PROFILES[name]
     except KeyError:
-        raise KeyError(f"unknown lane profile {name!r}; known: {', '.join(PROFILES)}") from None
+        known = ", ".join(PROFILES)
+        raise KeyError(
+            f"unknown lane profile {name!r}; known: {known} (each also as <name>-tp2, -tp4, ...)"
+        ) from None

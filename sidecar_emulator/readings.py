@@ -59,5 +59,10 @@ def engine_signals(model: EngineModel, now: float) -> EngineSignals:
 
 
 def gpu_signals(model: EngineModel, now: float, ident: str = "GPU-emulated") -> GpuSignals:
-    device = DeviceMemory(ident, model.free_bytes(now), model.total_bytes, model.other_process_bytes)
-    return GpuSignals(now, "emulator", (device,))
+    """One device per GPU of the engine (per rank under tensor parallelism: ``ident-<rank>``)."""
+    readings = model.device_readings(now)
+    if len(readings) == 1:
+        free, total, other = readings[0]
+        return GpuSignals(now, "emulator", (DeviceMemory(ident, free, total, other),))
+    devices = tuple(DeviceMemory(f"{ident}-{i}", f, t, o) for i, (f, t, o) in enumerate(readings))
+    return GpuSignals(now, "emulator", devices)

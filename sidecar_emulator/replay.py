@@ -654,7 +654,10 @@ class Driver(VirtualLoop):
         self.at(0.0, self._sample, True)
         for ev in self.scenario.gpu_events:
             self.at(
-                ev.t, lambda ev=ev: self.engine.set_other_process_bytes(int(ev.other_process_bytes), self.t)
+                ev.t,
+                lambda ev=ev: self.engine.set_other_process_bytes(
+                    int(ev.other_process_bytes), self.t, ev.gpu
+                ),
             )
         end = self.scenario.duration_s
         while True:

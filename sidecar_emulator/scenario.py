@@ -109,6 +109,8 @@ class GpuEvent(_Strict):
 
     t: float = Field(ge=0)
     other_process_bytes: ByteSize
+    # Under tensor parallelism, the rank whose GPU it happens on (None: every GPU of the lane).
+    gpu: int | None = Field(default=None, ge=0)
 
 
 Workload = Annotated[Requests | Burst | Rounds | Agents, Field(discriminator="kind")]

@@ -84,9 +84,9 @@ def build_model(profile: LaneProfile, seed: int = 0, *, cuda: bool = False) -> E
     """An engine model on a modeled device, or on the real GPU with ``cuda=True`` (imports torch)."""
     if not cuda:
         return EngineModel(profile, seed)
-    from sidecar_emulator.device import TorchDevice  # torch is imported inside TorchDevice only
+    from sidecar_emulator.device import on_cuda  # torch is imported inside TorchDevice only
 
-    return EngineModel(profile, seed, device=TorchDevice(profile))
+    return EngineModel(profile, seed, device=on_cuda(profile))
 
 
 # ---------------------------------------------------------------------------------------- requests
