@@ -16,7 +16,7 @@ from sidecar_emulator.replay import Driver
 from sidecar_emulator.scenario import load_scenario
 from tests.conftest import ROOT
 
-SCENARIO = ROOT / "scenarios" / "tp2-neighbour.yaml"
+SCENARIO = ROOT / "scenarios" / "tp" / "tp2-neighbour.yaml"
 
 
 def test_tensor_parallel_splits_what_sglang_splits_and_keeps_the_rest_whole() -> None:
