@@ -38,7 +38,7 @@ from sidecar_emulator.replay import (
     format_table,
     outcome_summary,
 )
-from sidecar_emulator.scenario import Agents, Burst, Requests, Rounds, Scenario, load_scenario
+from sidecar_emulator.scenario import Agents, Burst, GpuEvent, Requests, Rounds, Scenario, load_scenario
 from sidecar_emulator.server import EmulatorServer, build_emulator_app, build_model
 
 DEFAULT_SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "maxq-outage-burst.yaml"
@@ -196,6 +196,8 @@ async def run_phase(
     *,
     cuda: bool = False,
     watch: Callable[[str], Awaitable[None]] | None = None,
+    gpu_source: str | None = None,
+    on_gpu_event: Callable[[GpuEvent], None] | None = None,
 ) -> dict[str, Any]:
     """One run: emulator (+ sidecar when ``policy`` is given) on loopback, the scenario's clients.
 
@@ -203,6 +205,9 @@ async def run_phase(
     own out-of-memory error) and the sidecar reads real NVML instead of the emulator's file.
     ``watch``: called with the sidecar's admin URL while the phase runs (a test reads the live view
     there); cancelled when the phase ends.
+    ``gpu_source``: the sidecar's GPU source spec instead (``nvml:<uuid>,<uuid>`` for a TP lane's
+    cards). ``on_gpu_event``: what a scenario's GPU event does instead of changing the model's
+    neighbour (on real cards: start a real neighbour process, ``bench/cuda_gate.py --tp``).
     """
     from sidecar.app import SidecarApp
     from sidecar.http.server import serve_sidecar
@@ -222,7 +227,7 @@ async def run_phase(
                     app = SidecarApp(
                         upstream=emu.url,
                         policy=policy,
-                        gpu_source=parse_gpu_source("nvml" if cuda else f"file:{gpu_file}"),
+                        gpu_source=parse_gpu_source(gpu_source or ("nvml" if cuda else f"file:{gpu_file}")),
                         # The demo's clients describe 500K-token prompts to the emulator by size.
                         trust_emulator_sizes=True,
                         decision_log=stack.enter_context((Path(tmp) / "decisions.jsonl").open("w")),
@@ -243,8 +248,10 @@ async def run_phase(
                     for ev in scenario.gpu_events:
                         driver.at(
                             ev.t,
-                            lambda ev=ev: model.set_other_process_bytes(
-                                int(ev.other_process_bytes), emu.emulator.now()
+                            (lambda ev=ev: on_gpu_event(ev))
+                            if on_gpu_event is not None
+                            else lambda ev=ev: model.set_other_process_bytes(
+                                int(ev.other_process_bytes), emu.emulator.now(), ev.gpu
                             ),
                         )
                     await _progress(driver, model, app, label, window_s)
