@@ -41,10 +41,10 @@ ROWS: list[tuple[str, str, str, tuple[str, ...] | None]] = [
     ("transients x1.25 from a moment on", "late1.25", "beyond", None),
     ("restart onto a build x1.10", "upgrade1.10", "upgrade", None),
     ("n = 4 parallel samples (Mamba lane)", "none", "lane", ("samples-n4",)),
+    ("two-GPU lane, unequal neighbours", "none", "lane", ("tp2-unequal",)),
 ]
 NOT_YET = [
     "a dense lane with a small pool (70B-class FP8, one H100 80 GB, 0.90, ~33K-token pool, 128K context)",
-    "a two-GPU lane with unequal neighbours",
     "calibrate-then-serve on a lane shape no profile has (700 MiB fixed per step)",
 ]
 
