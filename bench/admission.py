@@ -126,6 +126,11 @@ def h200_qwen3next(fraction: float) -> LaneProfile:
 def profile_for(name: str) -> LaneProfile:
     if name.startswith("h200-qwen3next-"):
         return h200_qwen3next(float(name.rsplit("-", 1)[1]))
+    if name == DENSE_H100:
+        return dense70b_h100()
+    if name == FIXED700:
+        # Every prefill step allocates 700 MiB more, whatever its size: a shape no shipped profile has.
+        return MAXQ_BOUNDED.replace(name=name, fixed_bytes_per_step=700 * MiB)
     if name == TP2_UNEQUAL:
         # Another process holds 1 GiB more on GPU 0 than on GPU 1 from the start; the per-GPU policy of
         # scenarios/tp/ was written for equal cards and is not told.
@@ -137,6 +142,52 @@ def profile_for(name: str) -> LaneProfile:
 
 
 TP2_UNEQUAL = "maxq-bounded-tp2-unequal"
+DENSE_H100 = "dense70b-fp8-h100"
+FIXED700 = "maxq-bounded-fixed700"
+CALIBRATED = "calibrated-fixed700"
+
+
+@cache
+def calibrated_policy() -> LoadedPolicy:
+    """``calibrate`` run on the FIXED700 lane from the shipped bounded-build policy (the emulator's
+    probe of the lane, ``probe_lane.calibrate_on_model``, default safety): what an operator would deploy."""
+    from sidecar.policy.schema import load_policy_text
+    from sidecar_emulator.probe_lane import calibrate_on_model
+
+    text = (ROOT / "policies" / "maxq-qwen3next-bounded.yaml").read_text()
+    proposed, _run, result = calibrate_on_model(profile_for(FIXED700), text)
+    if proposed is None:
+        raise RuntimeError(f"calibrate proposed nothing on {FIXED700}: {result}")
+    return load_policy_text(proposed)
+
+
+def dense70b_h100() -> LaneProfile:
+    """A dense 70B-class model in FP8 on one H100 80 GB at ``--mem-fraction-static`` 0.90, 128K context:
+    a small KV pool (~33K tokens) that binds long before memory outside it does. Device figures: the
+    81,559 MiB H100 of issue 29 with the ``h200`` profile's reserved and context bytes; model figures
+    assumed from the architecture (80 layers, 8 KV heads of 128, FP8 KV: 160 KiB per token; ~65.5 GiB of
+    FP8 weights; ~176 KiB of live activations per prefill token). No shipped policy describes it."""
+    total = 81_559 * MiB
+    kv_per_token = 80 * 8 * 128 * 2
+    startup = total - H200.device_reserved_bytes - H200.cuda_context_bytes
+    weights = 67_120 * MiB
+    pools = int(0.90 * startup) - weights
+    return H200.replace(
+        name=DENSE_H100,
+        description="H100 80 GB, dense 70B-class FP8, --mem-fraction-static 0.90, 128K context",
+        served_model_name="dense-70b-fp8",
+        device_total_bytes=total,
+        mem_fraction_static=0.90,
+        weights_bytes=weights,
+        kv_pool_tokens=pools // kv_per_token,
+        kv_bytes_per_token=kv_per_token,
+        kv_cache_dtype="fp8_e4m3",
+        context_length=131_072,
+        max_running_requests=32,
+        prefill_tokens_per_s=6_000.0,
+        decode_tokens_per_s=30.0,
+        activation_bytes_per_token=176 * 1024,
+    )
 
 
 def perturbed(profile: LaneProfile, lag: str, perturbation: str) -> LaneProfile:
@@ -305,6 +356,30 @@ def _family(name: str, seed: int) -> Scenario:
             duration_s=1800,
             workload=[Requests(kind="requests", requests=reqs, retries=3)],
         )
+    if name == "dense-small-pool":
+        t, reqs = 0.0, []
+        while t < 150:
+            reqs.append(Request(t=round(t, 3), prompt_tokens=rng.randint(1_000, 28_000), max_new_tokens=512))
+            t += rng.expovariate(1 / 4)
+        return Scenario(
+            name=name,
+            description="Requests of 1K-28K tokens every ~4 s on a dense 70B FP8 lane with a ~33K-token pool",
+            profile=DENSE_H100,
+            policy="policies/h200-generic.yaml",
+            seed=seed,
+            duration_s=1800,
+            workload=[Requests(kind="requests", requests=reqs, retries=2)],
+        )
+    if name == CALIBRATED:
+        base = jittered(load_scenario(ROOT / "scenarios" / "agents-with-subagents.yaml"), seed)
+        return base.model_copy(
+            update={
+                "name": name,
+                "description": "agents-with-subagents on a lane that allocates 700 MiB per prefill step more, "
+                "served with the policy calibrate proposed there",
+                "profile": FIXED700,
+            }
+        )
     if name == "tp2-unequal":
         base = load_scenario(ROOT / "scenarios" / "tp" / "tp2-neighbour.yaml")
         return base.model_copy(
@@ -323,7 +398,7 @@ def _family(name: str, seed: int) -> Scenario:
 
 
 # Scenarios of the robustness block only (bench/robustness.py), not of the study.
-ROBUSTNESS_FAMILIES = ["samples-n4", "tp2-unequal"]
+ROBUSTNESS_FAMILIES = ["samples-n4", "tp2-unequal", "dense-small-pool", CALIBRATED]
 FAMILIES = ["band-below-limit", "two-cached-agents", "h200-qwen3next-0.90", "h200-qwen3next-0.98"]
 
 
@@ -368,6 +443,8 @@ def scenario(name: str, index: int) -> Scenario:
 
 @cache
 def policy_for(name: str) -> LoadedPolicy:
+    if name == CALIBRATED:
+        return calibrated_policy()
     sc = scenario(name, 0)
     return load_policy_file(sc.policy_path(ROOT / "scenarios"))
 

@@ -7,7 +7,10 @@ same engine, over the same seeds:
 * within the policy's stated safety: every allocation rounded up to 2 MiB blocks (PyTorch's caching
   allocator), transients x1.03 and x1.05 from the start, x1.05 from a moment on;
 * beyond it: transients x1.10 and x1.25 from a moment on (``admission.LATE_S``);
-* a planned restart onto a new build whose transients are x1.10.
+* a planned restart onto a new build whose transients are x1.10;
+* lanes and workloads of their own (the engine unperturbed): ``n`` = 4 parallel samples on the Mamba
+  lane, a two-GPU lane with unequal neighbours, a dense 70B FP8 lane with a ~33K-token pool under the
+  generic policy, and calibrate-then-serve on a lane that allocates 700 MiB per prefill step more.
 
 Acceptance (issue 29): 0 crashes within the safety; beyond it at most one crash per run (none after
 the first), none after a restart with a new build; every row >= 90 % of the oracle's goodput; rounding
@@ -42,11 +45,10 @@ ROWS: list[tuple[str, str, str, tuple[str, ...] | None]] = [
     ("restart onto a build x1.10", "upgrade1.10", "upgrade", None),
     ("n = 4 parallel samples (Mamba lane)", "none", "lane", ("samples-n4",)),
     ("two-GPU lane, unequal neighbours", "none", "lane", ("tp2-unequal",)),
+    ("dense 70B FP8 lane, ~33K-token pool (h200-generic policy)", "none", "lane", ("dense-small-pool",)),
+    ("calibrate, then serve: 700 MiB fixed per step", "none", "lane", (A.CALIBRATED,)),
 ]
-NOT_YET = [
-    "a dense lane with a small pool (70B-class FP8, one H100 80 GB, 0.90, ~33K-token pool, 128K context)",
-    "calibrate-then-serve on a lane shape no profile has (700 MiB fixed per step)",
-]
+NOT_YET: list[str] = []
 
 
 def _scenarios(row: tuple[str, str, str, tuple[str, ...] | None], default: list[str]) -> list[str]:
@@ -148,7 +150,8 @@ def format_block(summary: list[dict[str, Any]], lines: list[tuple[bool, str]]) -
         )
     out += ["", "Acceptance:"]
     out += [f"  {'PASS' if ok else 'FAIL'}  {text}" for ok, text in lines]
-    out += ["", "Not in the block yet:"] + [f"  - {n}" for n in NOT_YET]
+    if NOT_YET:
+        out += ["", "Not in the block yet:"] + [f"  - {n}" for n in NOT_YET]
     return "\n".join(out)
 
 

@@ -626,6 +626,8 @@ class EngineModel:
             req.own_kv += n
             self._own_total += n
         pieces = [("activation", self._noisy(total_tokens * p.activation_bytes_per_token))]
+        if p.fixed_bytes_per_step:
+            pieces.append(("fixed", self._noisy(p.fixed_bytes_per_step)))
         for req, n in items:
             tp = p.transient_pieces(n, req.prefilled + n)
             pieces.append(("context", self._noisy(tp.context)))

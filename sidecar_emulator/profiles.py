@@ -109,6 +109,9 @@ class LaneProfile:
     step_overhead_s: float = 0.002
 
     # --- transients outside the pool -------------------------------------------------------------
+    # Allocated by every prefill step whatever its size (workspaces, a fixed buffer): a lane shape no
+    # shipped profile has but the cost model's ``fixed_bytes`` describes (the robustness block).
+    fixed_bytes_per_step: int = 0
     activation_bytes_per_token: int = 0
     context_bytes_per_token: int = 0
     gather_bytes_per_token: int = 0
