@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import admission as A
 
-SCENARIOS = ["maxq-outage-burst", "agents-with-subagents"]
+SCENARIOS = ["maxq-outage-burst", "agents-with-subagents", "band-below-limit"]
 # (label, perturbation, class, scenarios): "base" the unperturbed engine, "within" the policy's stated
 # safety, "beyond" more than it, "upgrade" a restart onto a new build, "lane" a workload or lane shape
 # of its own (unperturbed engine). Scenarios None: ``SCENARIOS`` (or ``--scenarios``).
