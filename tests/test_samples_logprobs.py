@@ -100,6 +100,7 @@ def test_input_logprobs_stop_cache_reuse_at_their_start() -> None:
         ({"text": "a", "return_logprob": True, "logprob_start_len": 0}, 0),
         ({"text": "a", "return_logprob": True}, None),  # SGLang's default -1: output logprobs only
         ({"text": "a", "return_logprob": True, "logprob_start_len": -1}, None),
+        ({"text": "a", "return_logprob": True, "logprob_start_len": -5}, None),  # negative: none, as -1
         ({"text": "a", "return_logprob": False, "logprob_start_len": 0}, None),
         ({"text": ["a", "b"], "return_logprob": [False, True], "logprob_start_len": [0, 7]}, 7),
         ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [9, 3]}, 3),

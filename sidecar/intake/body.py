@@ -759,7 +759,7 @@ def _logprob_start(obj: dict[str, Any]) -> int | None:
     found: list[int] = []
     for i, (ask, item) in enumerate(zip(ask_list, start_list, strict=False)):
         where = f"logprob_start_len[{i}]" if isinstance(starts, list) else "logprob_start_len"
-        start = _opt_int({where: item}, where, where, minimum=-1)
+        start = _opt_int({where: item}, where, where, minimum=-MAX_INT)
         if ask is True and start is not None and start >= 0:
             found.append(start)
     return min(found) if found else None
