@@ -299,11 +299,12 @@ def _check_lane(policy: Any, upstream: str, gpu_spec: str | None) -> int:
 
     from sidecar.ops.lane_check import LaneUnreadable, measure
     from sidecar.ops.lane_check import render as render_facts
+    from sidecar.policy.in_force import rules_of
     from sidecar.signals.gpu import GpuSourceError, parse_gpu_source
 
     try:
         gpu = parse_gpu_source(gpu_spec) if gpu_spec else None
-        found, notes = asyncio.run(measure(policy, upstream, gpu))
+        found, notes = asyncio.run(measure(rules_of(policy), upstream, gpu))
     except (GpuSourceError, ValueError) as e:
         return _fail(f"--gpu-source: {e}")
     except LaneUnreadable as e:

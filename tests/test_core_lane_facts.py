@@ -102,16 +102,18 @@ def test_a_policy_claiming_more_idle_free_memory_than_measured_gets_the_measured
     idle = {f.name: f for f in facts}["idle_free_bytes"]
     assert (idle.policy, idle.measured, idle.in_force) == (1993 * MIB, 1372 * MIB, 1372 * MIB)
     assert idle.disagrees and idle.unsafe
-    forced = lane_facts.in_force(r, facts)
+    forced = lane_facts.in_force(r, lane_facts.overrides(facts))
     assert forced.vram.idle_free_bytes == 1372 * MIB
     assert headroom_bytes(forced, snapshot(NOW), LedgerTotals()) == 1372 * MIB
     # Within the tolerance (2 % and 64 MiB): the policy's figure stays, nothing disagrees.
     close = lane_facts.compare(r, None, 1993 * MIB - 40 * MIB, None, idle_free_policy=1993 * MIB)
-    assert not any(f.disagrees for f in close) and lane_facts.in_force(r, close) is r
+    assert not any(f.disagrees for f in close) and lane_facts.in_force(r, lane_facts.overrides(close)) is r
     # A policy that claims less than measured is the safer: it stays in force (shown as disagreeing).
     less = {f.name: f for f in lane_facts.compare(r, None, 4000 * MIB, None, idle_free_policy=1993 * MIB)}
     assert less["idle_free_bytes"].disagrees and not less["idle_free_bytes"].unsafe
-    assert lane_facts.in_force(r, tuple(less.values())).vram.idle_free_bytes == 1993 * MIB
+    assert (
+        lane_facts.in_force(r, lane_facts.overrides(tuple(less.values()))).vram.idle_free_bytes == 1993 * MIB
+    )
 
 
 def test_the_engine_s_pool_context_and_chunk_are_in_force_and_a_gpu_count_mismatch_is_shown() -> None:
@@ -121,7 +123,7 @@ def test_the_engine_s_pool_context_and_chunk_are_in_force_and_a_gpu_count_mismat
     assert facts["kv_pool_tokens"].in_force == 33_000 and facts["kv_pool_tokens"].disagrees
     assert facts["context_len"].in_force == 131_072
     assert facts["gpus"].disagrees and facts["gpus"].in_force is None
-    forced = lane_facts.in_force(r, tuple(facts.values()))
+    forced = lane_facts.in_force(r, lane_facts.overrides(tuple(facts.values())))
     assert (forced.lane.kv_pool_tokens, forced.lane.context_len, forced.lane.chunked_prefill_size) == (
         33_000,
         131_072,

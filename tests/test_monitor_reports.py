@@ -172,7 +172,7 @@ def test_the_state_before_and_after_measuring_and_after_a_finding() -> None:
     }
     assert last.free_bytes == 10 * GIB - 1_300_000_000 and last.idle_free_bytes == 10 * GIB
     # A policy load is a new calibration: nothing raised any more, though the count stays.
-    w.reload(p)
+    w.reload(rules)
     assert w.state(5.0)["monitor"]["margin"] == margin and w.state(5.0)["monitor"]["underestimates"] == 1
 
 

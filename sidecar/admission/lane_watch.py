@@ -764,7 +764,7 @@ class LaneWatch:
         now: float,
         in_flight: int | None,
     ) -> bool:
-        base = self._ownline()
+        base = self._baseline()
         prev, self._prev_free = self._prev_free, free
         expected = (
             projection(totals, cost)

@@ -12,8 +12,7 @@ import time
 
 from sidecar.core import facts as lane_facts
 from sidecar.core.facts import Fact
-from sidecar.policy.in_force import rules_of
-from sidecar.policy.schema import Policy
+from sidecar.core.rules import Rules
 from sidecar.signals.engine import EngineScraper, EngineUnavailable
 from sidecar.signals.gpu import GpuSource
 
@@ -27,8 +26,9 @@ UNITS = {
 }
 
 
-async def measure(policy: Policy, upstream: str, gpu: GpuSource | None) -> tuple[tuple[Fact, ...], list[str]]:
-    """The lane facts of ``policy`` against the lane at ``upstream`` (and its GPUs), and notes."""
+async def measure(own: Rules, upstream: str, gpu: GpuSource | None) -> tuple[tuple[Fact, ...], list[str]]:
+    """The lane facts of a policy (its own rules: ``rules_of``) against the lane at ``upstream`` (and
+    its GPUs), and notes."""
     notes: list[str] = []
     async with EngineScraper(upstream, interval_s=1.0) as scraper:
         try:
@@ -45,14 +45,14 @@ async def measure(policy: Policy, upstream: str, gpu: GpuSource | None) -> tuple
             f"idle_free_bytes: the engine is busy ({engine.running_requests} running, "
             f"{engine.queue_requests} waiting): GPU free memory is not its idle figure; not compared"
         )
-    elif policy.vram.idle_free_auto:
+    elif own.vram.idle_free_auto:
         notes.append(f"idle_free_bytes: auto in the policy; measured now {g.free_bytes / 2**20:,.0f} MiB")
     found = lane_facts.compare(
-        rules_of(policy),
+        own,
         engine,
         idle_free,
         len(g.devices) if g is not None and g.devices else None,
-        idle_free_policy=policy.vram.idle_free_figure,
+        idle_free_policy=own.vram.idle_free_bytes,
     )
     return found, notes
 
