@@ -412,16 +412,17 @@ def test_a_one_byte_projection_is_judged_against_its_cost_terms_too() -> None:
 
 
 def test_prefills_that_ended_between_readings_are_expected_at_their_peaks_exactly() -> None:
-    """``left`` sums the final peaks; the next reading is judged against exactly that sum."""
+    """``left`` sums the final peaks; the next reading is judged against exactly that sum (3 MiB over
+    it: beyond the allocator's 2 MiB block)."""
     w, _, rules = lane()
     w.charged(1, "r1", LedgerTotals(requests=1, running_requests=1), rules.cost, True)
     w.left(1000 * MIB, last=False)
-    w.observe(reading(1.0, 10 * GIB - 1002 * MIB, running_requests=1), IDLE, rules, 1.0)
+    w.observe(reading(1.0, 10 * GIB - 1003 * MIB, running_requests=1), IDLE, rules, 1.0)
     assert w.last is not None and w.last.projected_bytes == 1000 * MIB
     # After a restart the sums start from nothing, and count again.
     w.engine_restarted(2.0)
     w.left(1000 * MIB, last=True)
-    w.observe(reading(4.0, 10 * GIB - 1002 * MIB, running_requests=1), IDLE, rules, 4.0, in_flight=0)
+    w.observe(reading(4.0, 10 * GIB - 1003 * MIB, running_requests=1), IDLE, rules, 4.0, in_flight=0)
     assert w.last.at == 4.0 and w.last.projected_bytes == 1000 * MIB
 
 

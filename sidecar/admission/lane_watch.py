@@ -174,8 +174,9 @@ def excess(observed: int, projected: int, m: MonitorRules, requests: int = 1) ->
     tolerance and ``min_bytes``, and by more than the allocator's block (``allocator_block_bytes``: 2
     MiB for PyTorch's caching allocator, evidence R1) per request in the comparison, its rounding;
     ``inf`` when nothing was projected; None when it does not."""
-    floor = max(m.min_bytes, m.allocator_block_bytes * max(1, requests))
-    if observed - projected < floor or observed <= projected * (1.0 + m.tolerance):
+    over = observed - projected
+    rounding = m.allocator_block_bytes * max(1, requests)  # up to one block per request: rounding
+    if over < m.min_bytes or over <= rounding or observed <= projected * (1.0 + m.tolerance):
         return None
     return observed / projected if projected > 0 else math.inf
 
