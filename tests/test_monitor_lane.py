@@ -167,7 +167,7 @@ def test_check_policy_and_a_shipped_policy_with_auto(tmp_path: Path, capsys: pyt
     said = (
         "monitor: under-predictions (over the cost terms x1 by more than 1 MiB: "
         "cost.calibrated_ratio, not the margin) are counted and logged, and raise cost.margin (1) to "
-        "cover them + 0.1"
+        "what they showed x1.05 (at least + 0.1)"
     )
     assert said in out and "note:" not in out
     # Without a calibrated ratio a reading is compared with the projection, margin included.
