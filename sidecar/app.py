@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,6 +34,7 @@ from sidecar.http.hosts import LOCAL_NAMES_ONLY, HostCheck
 from sidecar.http.proxy import ClientGone, Proxy, make_session, read_body
 from sidecar.intake.body import BadRequest
 from sidecar.intake.tokens import CounterConfig, PromptCounter, TokenizerLoadError
+from sidecar.ops import learned_file
 from sidecar.ops.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
 from sidecar.ops.loads import LOADS_PATH, LoadsEndpoint
 from sidecar.ops.telemetry import StateCollector, Telemetry, register_process_metrics
@@ -67,6 +69,7 @@ class SidecarApp:
         admin_host_check: HostCheck | None = LOCAL_NAMES_ONLY,
         policy_watch_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        state_file: Path | None = None,
     ) -> None:
         """``host_check``: the Host values the data port answers (None: any); ``admin_host_check``:
         the admin port's (by default IP literals and localhost only: no DNS rebinding);
@@ -80,6 +83,10 @@ class SidecarApp:
         self.telemetry = Telemetry(self.registry, decision_log, shadow=mode_shadow)
         register_process_metrics(self.registry)
         self.admission = Admission(policy, LoopClock(clock), shadow=mode_shadow, observer=self.telemetry)
+        if state_file is not None:
+            # What earlier runs learned (margins, the engine build), kept as it changes (ops/learned_file).
+            learned_file.keep(state_file, self.admission.watch)
+            self.admission.refresh_rules()  # the rules in force with what was restored
         self.telemetry.context = self._log_context
         self.counter = PromptCounter(_counter_config(policy), engine_tokenize=self._engine_tokenize)
         self.trust_emulator_sizes = trust_emulator_sizes
@@ -226,7 +233,7 @@ class SidecarApp:
         )
         self.scraper.on_implausible = lambda series: self.telemetry.implausible("engine", series)
         # A new engine process: its idle free memory is measured again (vram.idle_free_bytes: auto).
-        self.scraper.on_engine_changed = lambda why: self.admission.watch.engine_restarted(self.clock(), why)
+        self.scraper.on_engine_changed = self.admission.engine_restarted
         # While a request is held after an admitted one ended, both are read sooner than their intervals
         # (policy engine.poll_after_release_s; Admission.report_wanted, signals.engine.Sooner).
         self.scraper.sooner = self._sooner()

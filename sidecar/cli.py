@@ -127,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsShown,
     )
     c.add_argument("file", metavar="FILE", help="the policy YAML")
+    c.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="also compare the policy's lane facts with a live SGLang server (exit 1 when they disagree)",
+    )
+    c.add_argument(
+        "--gpu-source",
+        metavar="SPEC",
+        help="with --upstream: where its GPU free memory is read (nvml, nvml:<uuid>, dcgm:<url>, file:<path>)",
+    )
 
     d = sub.add_parser(
         "demo",
@@ -278,7 +288,32 @@ def _check_policy(args: argparse.Namespace) -> int:
     print(f"  gated paths: {', '.join(p.gated_paths)}")
     for line in render(summarize(p)):
         print(line)
+    if args.upstream:
+        return _check_lane(p, args.upstream, args.gpu_source)
     return 0
+
+
+def _check_lane(policy: Any, upstream: str, gpu_spec: str | None) -> int:
+    """``check-policy --upstream``: the policy's lane facts against the live lane (exit 1: they disagree)."""
+    import asyncio
+
+    from sidecar.ops.lane_check import LaneUnreadable, measure
+    from sidecar.ops.lane_check import render as render_facts
+    from sidecar.policy.in_force import rules_of
+    from sidecar.signals.gpu import GpuSourceError, parse_gpu_source
+
+    try:
+        gpu = parse_gpu_source(gpu_spec) if gpu_spec else None
+        found, notes = asyncio.run(measure(rules_of(policy), upstream, gpu))
+    except (GpuSourceError, ValueError) as e:
+        return _fail(f"--gpu-source: {e}")
+    except LaneUnreadable as e:
+        print(f"sglang-sidecar: error: the lane at {upstream} could not be read: {e}", file=sys.stderr)
+        return 1
+    print(f"  lane at {upstream}:")
+    for line in [*render_facts(found), *(f"  {n}" for n in notes)]:
+        print(line)
+    return 1 if any(f.disagrees for f in found) else 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -378,6 +413,7 @@ def _serve_with(settings: Any) -> int:
         read_timeout_s=settings.upstream_read_timeout_s,
         upstream_client=settings.upstream_client,
         trust_emulator_sizes=settings.trust_emulator_sizes,
+        state_file=settings.state_file,
         admin_on_data_port=settings.admin_on_data_port,
         host_check=settings.host_check(),
         admin_host_check=settings.admin_host_check(),

@@ -126,6 +126,12 @@ class Settings(BaseSettings):
         help="on SIGTERM, time in-flight requests get to finish before the listener closes",
         metavar="S",
     )
+    state_file: Path | None = _opt(
+        None,
+        help="keep what the lane taught (the margin a crash or the monitor set, the engine build) in this "
+        "JSON file across sidecar restarts; written atomically as it changes (docs/robustness.md)",
+        metavar="FILE",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = _opt(
         "info", help="the sidecar's own log level (HTTP libraries stay at warning)"
     )

@@ -52,6 +52,7 @@ def engine_signals(model: EngineModel, now: float) -> EngineSignals:
         max_total_tokens=p.kv_pool_tokens,
         chunked_prefill_size=p.chunked_prefill_size,
         context_len=p.context_length,
+        gpus=1,  # server_info's tp_size x pp_size (exposition.py)
         version=SGLANG_VERSION,
         sources=("metrics", "loads", "server_info"),
         **fields,  # type: ignore[arg-type]

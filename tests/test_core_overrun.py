@@ -581,7 +581,9 @@ def test_the_allowance_is_twice_the_faster_of_the_measured_and_the_policy_rate(c
 
 def test_a_prefill_that_ended_between_two_readings_is_no_finding(clock: ManualClock) -> None:
     """Its last chunk (the peak) shows in the next reading although it is no longer in flight."""
-    a = Admission(policy(monitor__min_bytes=0), clock)  # a KiB-sized lane: no rounding slack
+    a = Admission(
+        policy(monitor__min_bytes=0, monitor__allocator_block_bytes=0), clock
+    )  # KiB-sized: no rounding
     idle = 20_000 * KIB
     a.update_snapshot(snapshot(clock.t, free_bytes=idle, prefill_computed_tokens=0, prefill_cached_tokens=0))
     (h,) = admitted(a, [9_000])
@@ -616,7 +618,13 @@ def counted(
 
 def quiet(**overrides: object) -> LoadedPolicy:
     """The lane with a monitor that counts every byte over and leaves the margin alone."""
-    return policy(monitor__min_bytes=0, monitor__tolerance=0.0, monitor__raise_margin=False, **overrides)
+    return policy(
+        monitor__min_bytes=0,
+        monitor__allocator_block_bytes=0,
+        monitor__tolerance=0.0,
+        monitor__raise_margin=False,
+        **overrides,
+    )
 
 
 IDLE_KIB = 20_000

@@ -40,8 +40,9 @@ def test_excess_counts_only_beyond_tolerance_and_min_bytes() -> None:
 
 def test_raised_margin_covers_the_ratio_within_the_policy_bounds() -> None:
     m = Monitor(max_margin=1.5, step=0.05)
-    # Projected with 1.05, allocated 1.2x that: 1.05 x 1.2 + 0.05.
-    assert raised_margin(1.05, 1.05, 1.05, 1.2, m) == pytest.approx(1.31)
+    # Projected with 1.05, allocated 1.2x that: 1.05 x 1.2 x 1.05 (the safety), at least + 0.05.
+    assert raised_margin(1.05, 1.05, 1.05, 1.2, m) == pytest.approx(1.323)
+    assert raised_margin(1.0, 1.0, 1.0, 1.01, m) == pytest.approx(1.0605)  # 1.01 x 1.05 > 1.01 + 0.05
     assert raised_margin(1.05, 1.05, 1.05, 3.0, m) == 1.5  # never above max_margin
     assert raised_margin(1.4, 1.05, 1.05, 1.1, m) == 1.4  # never below the margin in force
     assert raised_margin(1.05, 1.05, 1.05, math.inf, m) == 1.05  # nothing projected: no coefficient to fix
@@ -164,15 +165,15 @@ def test_an_allocation_beyond_the_projection_is_counted_named_and_raises_the_mar
     assert f is not None and f.request_ids == ("r1", "r2")
     assert f.observed_bytes == 1980 * MIB and f.projected_bytes == 1650 * MIB
     assert f.ratio == pytest.approx(1.2) and a.watch.worst_ratio == pytest.approx(1.2)
-    # 1.1 x 1.2 + 0.05: in force for the next request, and in the state with its reason.
-    assert a.rules.cost.margin == pytest.approx(1.37)
-    assert ask(a, 1000).projected_bytes == int(1000 * MIB * 1.37)
+    # 1.1 x 1.2 x 1.05: in force for the next request, and in the state with its reason.
+    assert a.rules.cost.margin == pytest.approx(1.386)
+    assert ask(a, 1000).projected_bytes == int(1000 * MIB * 1.386)
     margin = a.watch.state(clock.t + 3)["monitor"]["margin"]
     assert margin["raised"] and margin["since_age_s"] == 3 and "r1, r2" in margin["why"]
     (record,) = [r for r in caplog.records if r.name == "sidecar.admission.lane_watch"]
     fields = record.fields  # type: ignore[attr-defined]
     assert fields["event"] == "projection_underestimate" and fields["request_ids"] == ["r1", "r2"]
-    assert fields["observed_bytes"] == 1980 * MIB and fields["margin_after"] == pytest.approx(1.37)
+    assert fields["observed_bytes"] == 1980 * MIB and fields["margin_after"] == pytest.approx(1.386)
     # A reload is a new calibration: the policy's own margin again; what was counted stays counted.
     a.reload(a.loaded)
     assert a.rules.cost.margin == 1.1 and a.watch.underestimates == 1
@@ -200,22 +201,22 @@ def test_with_a_calibrated_ratio_a_reading_is_judged_against_the_cost_terms_not_
     f = a.watch.last
     assert f is not None and (f.observed_bytes, f.projected_bytes) == (1080 * MIB, 1000 * MIB)
     assert f.ratio == pytest.approx(1.08) and f.covered == 1.0
-    # The margin covers what was seen plus the step: 1.08 + 0.05.
-    assert a.rules.cost.margin == pytest.approx(1.13)
+    # The margin covers what was seen times the safety: 1.08 x 1.05.
+    assert a.rules.cost.margin == pytest.approx(1.134)
     (record,) = [r for r in caplog.records if r.name == "sidecar.admission.lane_watch"]
     assert "its cost terms x1.000" in record.getMessage() and record.fields["covered"] == 1.0  # type: ignore[attr-defined]
     # What a finding showed is known from then on: a new low within it and the tolerance is none ...
     assert a.watch.covered == pytest.approx(1.08)
-    submit(a, ask(a, 10, request_id="r2"))  # charged at the raised margin, 1.13
+    submit(a, ask(a, 10, request_id="r2"))  # charged at the raised margin, 1.134
     clock.advance(0.1)
     a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1090 * MIB))
     assert a.watch.underestimates == 1 and a.watch.last is f
     # ... a reading beyond it is one. The ledger's bytes over the smallest margin they were charged
-    # with (1.1) bound their cost terms from above: r2's 11.3 MiB count as 10.3, never less than 10.
+    # with (1.1) bound their cost terms from above: r2's 11.34 MiB count as 10.3, never less than 10.
     clock.advance(0.1)
     a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1160 * MIB))
     assert a.watch.underestimates == 2 and a.watch.last.covered == pytest.approx(1.08)  # type: ignore[union-attr]
-    terms = 1000 + 10 * 1.13 / 1.1
+    terms = 1000 + 10 * 1.134 / 1.1
     assert a.watch.last.projected_bytes == pytest.approx(terms * 1.08 * MIB, rel=1e-4)  # type: ignore[union-attr]
     assert a.watch.state(clock.t)["monitor"]["covered_ratio"] == pytest.approx(1160 / terms, abs=1e-4)
     # A policy load is a new calibration: its ratio again. Loaded with a lower margin, the bytes
@@ -231,7 +232,7 @@ def test_with_a_calibrated_ratio_a_reading_is_judged_against_the_cost_terms_not_
     assert a.watch.covered == 1.0 and a.rules.cost.margin == 1.05
     clock.advance(0.1)
     a.update_snapshot(gpu(a.snapshot, clock.t, 10 * GIB - 1300 * MIB))
-    assert a.watch.last.projected_bytes == pytest.approx((1100 + 11.3) / 1.05 * MIB, rel=1e-4)  # type: ignore[union-attr]
+    assert a.watch.last.projected_bytes == pytest.approx((1100 + 11.34) / 1.05 * MIB, rel=1e-4)  # type: ignore[union-attr]
 
 
 def test_a_caching_allocator_is_judged_on_new_lows_against_the_largest_projection(clock: ManualClock) -> None:

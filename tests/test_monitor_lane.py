@@ -130,7 +130,7 @@ async def test_state_and_metrics_show_the_idle_figure_and_the_monitor_live(tmp_p
         s = await state()
         m = s["monitor"]
         assert m["last"]["request_ids"] == ["slow-1"] and m["last"]["at"].endswith("Z")
-        assert m["margin"]["effective"] == pytest.approx(1.1 * 1400 / 1100 + 0.05, abs=1e-3)
+        assert m["margin"]["effective"] == pytest.approx(1.1 * 1400 / 1100 * 1.05, abs=1e-3)
         assert m["margin"]["raised"] and m["margin"]["since"].endswith("Z")
         text = (await client.get(url.admin + "/metrics")).text
         assert _metric(text, "projection_underestimates_total") == 1
@@ -167,7 +167,7 @@ def test_check_policy_and_a_shipped_policy_with_auto(tmp_path: Path, capsys: pyt
     said = (
         "monitor: under-predictions (over the cost terms x1 by more than 1 MiB: "
         "cost.calibrated_ratio, not the margin) are counted and logged, and raise cost.margin (1) to "
-        "cover them + 0.1"
+        "what they showed x1.05 (at least + 0.1)"
     )
     assert said in out and "note:" not in out
     # Without a calibrated ratio a reading is compared with the projection, margin included.

@@ -343,6 +343,7 @@ def test_server_info_0_5_23() -> None:
         "max_running_requests": 24,
         "context_len": 524288,
         "max_total_tokens": 522880,
+        "gpus": 1,  # tp_size x pp_size: compared with the GPU source's devices (core/facts.py)
         "version": "0.5.23",
     }
 
@@ -416,6 +417,7 @@ async def test_poll_once_merges_the_three_endpoints(respx_mock, client) -> None:
         pending_prefill_tokens=738389,
         chunked_prefill_size=8192,
         max_running_requests=24,
+        gpus=1,
         version="0.5.23",
         sources=("server_info", "metrics", "loads"),
     )

@@ -308,6 +308,12 @@ class Admission:
         self.snapshot = snap
         now = self.clock.now()
         e = snap.engine
+        health = snap.engine_health
+        if health.consecutive_failures and self.ledger.totals.requests:
+            # The engine may be dying with this set in it: the evidence, if it turns out to restart.
+            self.watch.at_risk(self.watch.admitted_set(self.ledger.totals, self.rules, snap, now))
+        elif not health.consecutive_failures and e is not None:
+            self.watch.engine_ok(now, e.observed_at - self.rules.engine.poll_interval_s)
         if e is not None:
             at = e.observed_at if e.prefill_counted_at is None else e.prefill_counted_at
             self.progress.observe(
@@ -327,6 +333,20 @@ class Admission:
             self._apply_rules()
         self._guard()
         self.pump()
+
+    def engine_restarted(self, why: str) -> None:
+        """The engine scraper saw a new engine process. With admitted work in it (now, or when the engine
+        was last seen failing) it is a crash: the lane watch raises the margin so that the set would not
+        have fitted (``lane_watch.crash_margin``); held requests are priced again under it."""
+        now = self.clock.now()
+        admitted = (
+            self.watch.admitted_set(self.ledger.totals, self.rules, self.snapshot, now)
+            if self.ledger.totals.requests
+            else None
+        )
+        if self.watch.engine_restarted(now, why, admitted):
+            self._apply_rules()
+            self.pump()
 
     def reload(self, policy: LoadedPolicy) -> None:
         """A new policy: held requests are priced again under it (a new deadline too), then re-decided;
@@ -364,6 +384,10 @@ class Admission:
             "aborted_unfit": self.overruns_unfit,
             "last": None if last is None else last[1].fields() | {"age_s": round(now - last[0], 3)},
         }
+
+    def refresh_rules(self) -> None:
+        """The lane watch learned something outside a snapshot (a state file restored at start)."""
+        self._apply_rules()
 
     def _apply_rules(self) -> None:
         """The rules in force changed (a policy, a measured idle figure, a raised margin): held
@@ -510,7 +534,14 @@ class Admission:
         self._prefilling[h._key] = h
         self.progress.admitted(h._key, h.demand.uncached_tokens)
         tracked = self.progress.counter is not None
-        self.watch.charged(h._key, h.demand.request_id, self.ledger.totals, self.rules.cost, tracked)
+        self.watch.charged(
+            h._key,
+            h.demand.request_id,
+            self.ledger.totals,
+            self.rules.cost,
+            tracked,
+            d.charge.projected_bytes,
+        )
         if h.shadow_reject is None:
             self.observer.decision(d, h.demand, h.waited_s, self.ledger.totals)
 
@@ -528,6 +559,11 @@ class Admission:
         changed = admitted or h._held
         if h._held:
             self._leave_queue(h)  # the client left while held: no decision, the next one may go
+        if h._key is not None and outcome is Outcome.UPSTREAM_ERROR:
+            # The engine broke this request's connection: it may be dying with what is admitted now.
+            self.watch.at_risk(
+                self.watch.admitted_set(self.ledger.totals, self.rules, self.snapshot, self.clock.now())
+            )
         if h._key is not None:
             prefilling = h._key in self._prefilling
             self._left_prefill(h._key)
@@ -563,6 +599,7 @@ class Admission:
     def _prefill_done(self, h: Handle, measured: bool) -> None:
         if h._key is not None:
             self._left_prefill(h._key)
+            self.watch.prefilled(h._key)
         if h._key is not None and self.ledger.prefill_done(h._key):
             # A stream's first token: it joins the running batch at the engine's next decode step.
             self._join_moved(

@@ -33,19 +33,31 @@ from the policy and :attr:`LaneWatch.learned`, in which the margin and the idle 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from sidecar.core import facts as lane_facts
+from sidecar.core.decide import idle_budget
+from sidecar.core.facts import Fact
 from sidecar.core.ledger import LedgerTotals
-from sidecar.core.rules import CostModel, Learned, MonitorRules, Rules
+from sidecar.core.rules import CostModel, DeviceBaseline, Learned, MonitorRules, Rules
 from sidecar.core.snapshot import GpuSignals, Snapshot
 
 log = logging.getLogger("sidecar.admission.lane_watch")
 
 # At most this many request ids in a finding's log line and in /admission/state.
 MAX_IDS = 16
+# The version of the state file's layout (``kept``/``restore``).
+STATE_VERSION = 1
+# A new engine build is priced this much above the learned margin until a reading confirms the fit
+# (``LaneWatch._confirm``): the largest change of an engine's transients across an upgrade that the
+# project has modelled (issue 29: x1.10 and x1.25 from one moment on) is covered from the first request.
+NEW_BUILD_SAFETY = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +69,72 @@ class IdleFree:
     measured_at: float
     # Measured after requests ran on this engine process: a caching allocator's low-water mark.
     after_traffic: bool
+    # Each GPU at that instant (``decide.idle_budget`` compares each with its own).
+    devices: tuple[DeviceBaseline, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AdmittedSet:
+    """What the gate had admitted when the engine was last seen failing: the evidence a crash is read
+    against (``crash_margin``). ``budget_bytes``: what the gate could hand out then (the idle budget
+    less the reserve, None where no idle figure was known)."""
+
+    at: float
+    request_ids: tuple[str, ...]
+    projected_bytes: int
+    margin: float
+    budget_bytes: int | None
+    reserve_bytes: int
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "request_ids": list(self.request_ids[:MAX_IDS]),
+            "requests": len(self.request_ids),
+            "projected_bytes": self.projected_bytes,
+            "priced_margin": round(self.margin, 4),
+            "budget_bytes": self.budget_bytes,
+            "reserve_bytes": self.reserve_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Crash:
+    """An engine that restarted while the gate had admitted work, and what the margin became."""
+
+    at: float
+    why: str
+    admitted: AdmittedSet
+    margin_before: float
+    margin_after: float
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "why": self.why,
+            **self.admitted.fields(),
+            "margin_before": round(self.margin_before, 4),
+            "margin_after": round(self.margin_after, 4),
+        }
+
+
+def crash_margin(s: AdmittedSet, m: MonitorRules, policy_margin: float) -> float | None:
+    """The margin at which the admitted set would not have fitted, with the monitor's stated safety:
+    its cost terms (the projection over the margin it was priced at) took more than the budget and the
+    reserve together (the engine ran out of memory), so they were at least ``(budget + reserve) /
+    terms`` times what the terms say; priced at that times ``1 + monitor.safety`` the set exceeds the
+    budget and is not admitted. Bounded by ``max_margin`` (a crash that needs more is not explained by
+    the admitted prefills alone: it is logged as such). None: nothing to read it against."""
+    terms = s.projected_bytes / s.margin if s.margin > 0 else 0
+    if s.budget_bytes is None or terms <= 0:
+        return None
+    needed = (s.budget_bytes + s.reserve_bytes) / terms
+    return min(max(m.max_margin, policy_margin), needed * (1.0 + m.safety))
+
+
+def cost_fingerprint(own: Rules) -> str:
+    """What a learned margin was learned against: the policy's cost section (a new calibration, a new
+    fingerprint, starts again from its own margin)."""
+    text = json.dumps(asdict(own.cost), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,25 +169,41 @@ class Finding:
         }
 
 
-def excess(observed: int, projected: int, m: MonitorRules) -> float | None:
+def excess(observed: int, projected: int, m: MonitorRules, requests: int = 1) -> float | None:
     """``observed / projected`` when the observed allocation exceeds the projection by more than the
-    tolerance and ``min_bytes``, ``inf`` when nothing was projected; None when it does not."""
-    if observed - projected < m.min_bytes or observed <= projected * (1.0 + m.tolerance):
+    tolerance and ``min_bytes``, and by more than the allocator's block (``allocator_block_bytes``: 2
+    MiB for PyTorch's caching allocator, evidence R1) per request in the comparison, its rounding;
+    ``inf`` when nothing was projected; None when it does not."""
+    over = observed - projected
+    rounding = m.allocator_block_bytes * max(1, requests)  # up to one block per request: rounding
+    if over < m.min_bytes or over <= rounding or observed <= projected * (1.0 + m.tolerance):
         return None
     return observed / projected if projected > 0 else math.inf
 
 
 def raised_margin(
-    margin: float, projected_with: float, policy_margin: float, ratio: float, m: MonitorRules
+    margin: float,
+    projected_with: float,
+    policy_margin: float,
+    ratio: float,
+    m: MonitorRules,
+    ceiling: float | None = None,
 ) -> float:
     """The margin in force after an allocation ``ratio`` times a projection made with the margin
-    ``projected_with``: what covers it plus ``step``, never above ``max_margin`` (nor the policy's own
-    margin), never below ``margin`` (the one in force). A finding with nothing projected says nothing
-    about the coefficients: the margin stays."""
+    ``projected_with``: what the lane drew (``projected_with x ratio``) times ``1 + safety``, at least
+    plus ``step``: in proportion to what was seen, not a fixed step. Never above ``max_margin`` (nor
+    the policy's own margin), never below ``margin`` (the one in force), and never above ``ceiling``
+    (the margin at which the largest prompt this engine has served would become unfit: it ran, so the
+    lane fits it) unless what was seen itself is above it. A finding with nothing projected says
+    nothing about the coefficients: the margin stays."""
     if not m.raise_margin or math.isinf(ratio):
         return margin
     cap = max(m.max_margin, policy_margin)
-    return max(margin, min(cap, projected_with * ratio + m.step))
+    seen = projected_with * ratio
+    target = max(seen * (1.0 + m.safety), seen + m.step)
+    if ceiling is not None:
+        target = min(target, max(ceiling, seen))
+    return max(margin, min(cap, target))
 
 
 def projection(totals: LedgerTotals, cost: CostModel) -> int:
@@ -159,6 +253,27 @@ class LaneWatch:
         self._ended_before = 0
         # What the latest charge was priced with (the policy's model until the first charge).
         self._cost: CostModel = own.cost
+        # -- lane facts (``core/facts.py``): the policy's against the measured, and those warned of.
+        self.facts: tuple[Fact, ...] = ()
+        self._warned: dict[str, tuple[int | None, int | None]] = {}
+        # -- crashes: the admitted set when the engine was last seen failing, those read so far, and
+        # the margin the latest one set (kept across engine restarts and reloads of the same costs).
+        self._risk: AdmittedSet | None = None
+        self.crashes = 0
+        self.last_crash: Crash | None = None
+        self.crash_margin: float | None = None
+        self._fingerprint = cost_fingerprint(own)
+        # -- the engine build (its version): a new one puts the lane in a conservative state, its margin
+        # times 1 + ``NEW_BUILD_SAFETY``, until a reading confirms the fit (``_confirm``).
+        self.build: str | None = None
+        self.conservative: str | None = None  # why, while in it
+        # -- the largest prompt this engine process served (its cost terms, bytes): the monitor does
+        # not raise the margin so far that it would be unfit (``raised_margin``'s ceiling).
+        self._raw: dict[int, int] = {}
+        self._served_raw = 0
+        self._transient_cap: int | None = None
+        # Told when something the state file keeps changed (the app writes it: ``ops/learned_file``).
+        self.on_learned: Callable[[], None] = lambda: None
 
     @property
     def own(self) -> Rules:
@@ -176,15 +291,39 @@ class LaneWatch:
     # -- what Admission tells it ---------------------------------------------------------------------
 
     def reload(self, own: Rules) -> None:
-        """A new policy (its own rules): its own margin again; what was measured on the engine stays."""
+        """A new policy (its own rules): its own margin again, or the one a crash set where the costs are
+        the same; what was measured on the engine stays."""
+        same = cost_fingerprint(own) == self._fingerprint
         self._own = own
-        self.margin = own.cost.margin
+        self._fingerprint = cost_fingerprint(own)
+        if not same:
+            self.crash_margin = None
+        self.margin = max(own.cost.margin, self.crash_margin or 0.0)
         self.margin_finding = None
         self.covered = own.cost.calibrated_ratio
-        self._floor = min(self._floor, self.margin)
+        self._floor = min(self._floor, own.cost.margin)
+        self._warned.clear()
 
-    def engine_restarted(self, now: float, why: str = "restarted") -> None:
-        """A new engine process: its idle figure is measured again, its allocator starts empty."""
+    @property
+    def margin_in_force(self) -> float:
+        """The margin the rules carry: the learned one, raised by ``NEW_BUILD_SAFETY`` while a new
+        engine build is unconfirmed (never above ``max_margin``, nor below the learned one)."""
+        if self.conservative is None:
+            return self.margin
+        cap = max(self._own.monitor.max_margin, self._own.cost.margin)
+        return max(self.margin, min(cap, self.margin * (1.0 + NEW_BUILD_SAFETY)))
+
+    def engine_restarted(
+        self, now: float, why: str = "restarted", admitted: AdmittedSet | None = None
+    ) -> bool:
+        """A new engine process: its idle figure is measured again, its allocator starts empty. Where
+        the gate had admitted work when it went (``admitted``, or the set seen when it was last seen
+        failing), the restart is a crash: an under-prediction of that set (``crash``). True when the
+        margin in force changed."""
+        evidence = self._risk or admitted
+        self._risk = None
+        changed = evidence is not None and self._crash(now, why, evidence)
+        self._served_raw = 0
         self.engine_restarts += 1
         had = self.idle
         self.idle = None
@@ -198,9 +337,77 @@ class LaneWatch:
                 why,
                 extra={"fields": {"event": "idle_free_reset", "why": why}},
             )
+        return changed
+
+    def at_risk(self, s: AdmittedSet) -> None:
+        """The engine was seen failing (a scrape failed, an admitted request's connection broke) while
+        ``s`` was admitted: kept as the evidence if the engine turns out to have restarted. The first
+        sign wins (the set shrinks as the failed requests end)."""
+        if self._risk is None and s.request_ids:
+            self._risk = s
+
+    def engine_ok(self, now: float, since: float) -> None:
+        """The same engine process answered, read ``since`` or later than the set was kept: it did not
+        die (a lost scrape, one broken connection), and the set is no evidence."""
+        if self._risk is not None and since >= self._risk.at:
+            self._risk = None
+
+    def admitted_set(self, totals: LedgerTotals, rules: Rules, snap: Snapshot, now: float) -> AdmittedSet:
+        """What is admitted now, for ``at_risk``: its projection and what the gate could hand out."""
+        v = rules.vram
+        if not v.uses_gpu_signal and v.idle_free_bytes is not None:
+            budget: int | None = idle_budget(v, snap.gpu) - v.reserve_bytes
+        elif self.idle is not None:
+            budget = self.idle.free_bytes - v.reserve_bytes
+        else:
+            budget = None
+        return AdmittedSet(
+            now,
+            tuple(self._alive.values()),
+            projection(totals, self.priced),
+            self._charged_with,
+            budget,
+            v.reserve_bytes,
+        )
+
+    def _crash(self, now: float, why: str, s: AdmittedSet) -> bool:
+        before = self.margin_in_force
+        target = crash_margin(s, self._own.monitor, self._own.cost.margin)
+        if target is not None and target > self.margin:
+            self.margin = target
+            self.crash_margin = max(self.crash_margin or 0.0, target)
+        self.crashes += 1
+        crash = Crash(now, why, s, before, self.margin_in_force)
+        self.last_crash = crash
+        unexplained = target is not None and target >= max(
+            self._own.monitor.max_margin, self._own.cost.margin
+        )
+        log.warning(
+            "engine restarted (%s) while the gate had admitted %d request(s) projected at %.0f MiB of a "
+            "%s budget: read as an under-prediction, margin %.3f -> %.3f%s; admitted: %s",
+            why,
+            len(s.request_ids),
+            s.projected_bytes / 2**20,
+            "unknown" if s.budget_bytes is None else f"{s.budget_bytes / 2**20:,.0f} MiB",
+            before,
+            crash.margin_after,
+            " (capped at monitor.max_margin: the admitted prefills alone do not explain it; check the lane)"
+            if unexplained
+            else "",
+            ", ".join(s.request_ids[:MAX_IDS]) or "none",
+            extra={"fields": {"event": "engine_crash", **crash.fields()}},
+        )
+        self.on_learned()
+        return crash.margin_after != before
 
     def charged(
-        self, key: int, request_id: str, totals: LedgerTotals, cost: CostModel, progress: bool
+        self,
+        key: int,
+        request_id: str,
+        totals: LedgerTotals,
+        cost: CostModel,
+        progress: bool,
+        charge_bytes: int = 0,
     ) -> None:
         """A request was admitted (until it ``ended``, no reading is an idle one).
 
@@ -208,6 +415,7 @@ class LaneWatch:
         are compared with what they allocate at the point reached (``observe(in_flight=...)``), and
         the request's final peak is not yet expected: only the batch join it may cause is."""
         self._alive[key] = request_id
+        self._raw[key] = int(charge_bytes / cost.margin) if cost.margin > 0 else charge_bytes
         self._window_ids.setdefault(request_id)  # an ordered set
         self._traffic = True
         self._charged_with = cost.margin
@@ -256,8 +464,19 @@ class LaneWatch:
         return max(self._ended_before, self._ended_now + (in_flight or 0))
 
     def ended(self, key: int, now: float) -> None:
+        self._raw.pop(key, None)
         if self._alive.pop(key, None) is not None:
             self._last_activity = now
+
+    def prefilled(self, key: int) -> None:
+        """A prompt's prefill finished on this engine (its first byte): the lane fits its transient."""
+        self._served_raw = max(self._served_raw, self._raw.pop(key, 0))
+
+    def _ceiling(self) -> float | None:
+        """The margin at which the largest prompt served on this engine would become unfit."""
+        if not self._served_raw or self._transient_cap is None:
+            return None
+        return self._transient_cap / self._served_raw
 
     def observe(
         self,
@@ -276,6 +495,9 @@ class LaneWatch:
         ``defer``: their progress is too old for this GPU reading (``PrefillProgress.too_old``); it is
         compared at the next snapshot, with the next engine report."""
         changed = self._measure_idle(snap, rules, now)
+        changed = self._see_build(snap) or changed
+        changed = self._compare_facts(snap) or changed
+        self._transient_cap = rules.vram.transient_cap()
         g = snap.gpu
         if g is not None and g is not self._last_gpu and g.free_bytes is not None and not defer:
             self._last_gpu = g
@@ -286,12 +508,15 @@ class LaneWatch:
 
     @property
     def learned(self) -> Learned:
-        """What was learnt, for ``rules_in_force``: the margin in force and the measured idle figure."""
+        """What was learnt, for ``rules_in_force``: the margin in force (a new build's conservative
+        pricing included), the measured idle figure and each GPU's, and the lane facts that disagree."""
         idle = self.idle
         return Learned(
             idle_free_bytes=None if idle is None else idle.free_bytes,
             idle_other_process_bytes=None if idle is None else idle.other_process_bytes,
-            margin=self.margin,
+            margin=self.margin_in_force,
+            idle_devices=() if idle is None else idle.devices,
+            facts=lane_facts.overrides(self.facts),
         )
 
     def state(self, now: float) -> dict[str, Any]:
@@ -307,11 +532,34 @@ class LaneWatch:
             note = "not measured yet (the policy's figure is in force)"
         f = self.margin_finding
         return {
+            "lane_facts": {x.name: x.fields() for x in self.facts},
+            "crashes": {
+                "count": self.crashes,
+                "margin": self.crash_margin,
+                "last": None
+                if self.last_crash is None
+                else self.last_crash.fields() | {"age_s": round(now - self.last_crash.at, 3)},
+                "at_risk": None if self._risk is None else self._risk.fields(),
+            },
+            "engine_build": {
+                "version": self.build,
+                "conservative": self.conservative is not None,
+                "why": self.conservative,
+                "margin_in_force": round(self.margin_in_force, 4),
+            },
             "idle_free": {
                 "policy": "auto" if v.idle_free_auto else v.idle_free_bytes,
                 "measured_bytes": idle.free_bytes if idle else None,
                 "measured_other_process_bytes": idle.other_process_bytes if idle else None,
                 "measured_age_s": None if idle is None else round(now - idle.measured_at, 3),
+                "measured_devices": [
+                    {
+                        "ident": d.ident,
+                        "free_bytes": d.free_bytes,
+                        "other_process_bytes": d.other_process_bytes,
+                    }
+                    for d in (idle.devices if idle else ())
+                ],
                 "after_traffic": idle.after_traffic if idle else None,
                 "engine_restarts": self.engine_restarts,
                 "note": note,
@@ -329,7 +577,7 @@ class LaneWatch:
                 "max_margin": max(m.max_margin, self._own.cost.margin),
                 "margin": {
                     "policy": self._own.cost.margin,
-                    "effective": round(self.margin, 4),
+                    "effective": round(self.margin_in_force, 4),
                     "raised": f is not None,
                     "since_age_s": None if f is None else round(now - f.at, 3),
                     "why": None if f is None else _why(f),
@@ -357,7 +605,8 @@ class LaneWatch:
         if not idle or (self.idle is not None and g.free_bytes <= self.idle.free_bytes):
             return False
         first = self.idle is None
-        self.idle = IdleFree(g.free_bytes, g.other_process_bytes, now, self._traffic)
+        devices = tuple(DeviceBaseline(d.ident, d.free_bytes, d.other_process_bytes) for d in g.devices)
+        self.idle = IdleFree(g.free_bytes, g.other_process_bytes, now, self._traffic, devices)
         # The allocator holds nothing beyond idle now: new lows count from the idle figure again
         # (``_check``). An earlier, higher low-water mark would change no comparison: a reading above
         # the idle figure shows nothing allocated beyond it.
@@ -370,6 +619,134 @@ class LaneWatch:
                 extra={"fields": {"event": "idle_free_measured", "free_bytes": g.free_bytes}},
             )
         return self._own.vram.idle_free_auto
+
+    def _see_build(self, snap: Snapshot) -> bool:
+        """The engine's build (its reported version): a different one than the lane was learned on puts
+        it in the conservative state. True when the margin in force changed."""
+        version = snap.engine.version if snap.engine is not None else None
+        if version is None or version == self.build:
+            return False
+        before, self.build = self.build, version
+        if before is None:
+            self.on_learned()
+            return False
+        was = self.margin_in_force
+        self.conservative = f"engine build {before} -> {version}"
+        log.warning(
+            "%s: the lane's learned margin %.3f is priced x%.2f (%.3f) until a reading confirms the fit",
+            self.conservative,
+            self.margin,
+            1.0 + NEW_BUILD_SAFETY,
+            self.margin_in_force,
+            extra={"fields": {"event": "engine_build_changed", "from": before, "to": version}},
+        )
+        self.on_learned()
+        return self.margin_in_force != was
+
+    def _compare_facts(self, snap: Snapshot) -> bool:
+        """Policy against measurement (``core/facts.py``); a warning once per change of a disagreement.
+        True when a figure in force changed."""
+        g = snap.gpu
+        facts = lane_facts.compare(
+            self._own,
+            snap.engine,
+            self.idle.free_bytes if self.idle is not None else None,
+            len(g.devices) if g is not None and g.devices else None,
+            idle_free_policy=self._own.vram.idle_free_bytes,
+        )
+        if facts == self.facts:
+            return False
+        before = {f.name: f.in_force for f in self.facts if f.disagrees}
+        self.facts = facts
+        for f in facts:
+            key = (f.policy, f.measured)
+            if not f.disagrees:
+                self._warned.pop(f.name, None)
+                continue
+            if self._warned.get(f.name) == key:
+                continue
+            self._warned[f.name] = key
+            log.warning(
+                "lane fact %s: the policy says %s, the lane measures %s; %s",
+                f.name,
+                f.policy,
+                f.measured,
+                f"in force: {f.in_force} (the safer figure)" if f.in_force is not None else "check the lane",
+                extra={"fields": {"event": "lane_fact_disagrees", "fact": f.name, **f.fields()}},
+            )
+        return before != {f.name: f.in_force for f in facts if f.disagrees}
+
+    def _confirm(self, observed: int, projected: int, projected_with: float, requests: int) -> bool:
+        """While a new build is unconfirmed, a reading that shows a new peak of what the lane draws for
+        admitted work: within the learned margin (and the monitor's tolerance), the fit is confirmed and
+        the lane leaves the conservative state; beyond it, the learned margin is set from what it drew
+        (``raised_margin``) and it leaves it too (measured, no longer assumed). True: the rules changed."""
+        if self.conservative is None or projected <= 0 or projected_with <= 0:
+            return False
+        terms = projected / projected_with
+        drew = observed / terms  # the multiple of the cost terms the lane drew
+        m = self._own.monitor
+        # Only a reading that could show the change the state guards against confirms anything: the
+        # safety's share of this projection beyond what the monitor tolerates (a small prompt cannot).
+        expected = terms * self.margin
+        if expected * NEW_BUILD_SAFETY <= max(
+            m.min_bytes, m.allocator_block_bytes * requests, expected * m.tolerance
+        ):
+            return False
+        within = excess(observed, round(terms * self.margin), m, requests) is None
+        before = self.margin
+        if not within:
+            self.margin = raised_margin(self.margin, 1.0, self._own.cost.margin, drew, m, self._ceiling())
+        why, self.conservative = self.conservative, None
+        log.warning(
+            "%s: %s (the lane drew x%.3f of its cost terms); margin %.3f -> %.3f",
+            why,
+            "fit confirmed" if within else "fit re-measured",
+            drew,
+            before,
+            self.margin,
+            extra={
+                "fields": {"event": "engine_build_confirmed", "drew": round(drew, 4), "margin": self.margin}
+            },
+        )
+        self.on_learned()
+        return True
+
+    # -- the state file (``ops/learned_file.py`` reads and writes it atomically) ------------------------
+
+    def kept(self) -> dict[str, Any]:
+        """What a sidecar restart keeps, as JSON: the margins learned against these costs, the engine
+        build, and whether it is confirmed."""
+        return {
+            "version": STATE_VERSION,
+            "cost_fingerprint": self._fingerprint,
+            "margin": self.margin,
+            "crash_margin": self.crash_margin,
+            "crashes": self.crashes,
+            "engine_build": self.build,
+            "conservative": self.conservative,
+        }
+
+    def restore(self, saved: dict[str, Any]) -> str:
+        """What a previous run kept (``kept``); says what was taken. Margins only for the same
+        costs (another calibration starts from its own margin); never below the policy's margin."""
+        if saved.get("version") != STATE_VERSION:
+            return f"ignored: state version {saved.get('version')!r}, this sidecar writes {STATE_VERSION}"
+        build = saved.get("engine_build")
+        self.build = build if isinstance(build, str) else None
+        conservative = saved.get("conservative")
+        self.conservative = conservative if isinstance(conservative, str) else None
+        crashes = saved.get("crashes")
+        self.crashes = crashes if isinstance(crashes, int) and crashes >= 0 else 0
+        if saved.get("cost_fingerprint") != self._fingerprint:
+            return f"engine build {self.build}; margins ignored (the policy's costs changed)"
+        cap = max(self._own.monitor.max_margin, self._own.cost.margin)
+        margin, crash = saved.get("margin"), saved.get("crash_margin")
+        if isinstance(margin, int | float) and math.isfinite(margin):
+            self.margin = max(self.margin, min(cap, float(margin)))
+        if isinstance(crash, int | float) and math.isfinite(crash):
+            self.crash_margin = min(cap, float(crash))
+        return f"margin {self.margin:.4f}, engine build {self.build}, {self.crashes} crash(es) before"
 
     def _baseline(self) -> tuple[int, int | None] | None:
         """(idle free, other processes then): the sidecar's measurement, else the policy's figure."""
@@ -430,15 +807,17 @@ class LaneWatch:
             grown = max(0, g.other_process_bytes - idle_other)
         observed = idle_free - free - grown
         projected, projected_with = reference
+        requests = max(1, len(ids))
+        confirmed = free < low and self._confirm(observed, projected, projected_with, requests)
         cover = self.covered
         if cover is not None and projected:
             # The cost terms (at most the bytes over the smallest margin they were priced with) times
             # what the calibration and the findings since saw: the margin's safety above that is not
             # for the lane to use unseen (the module docstring).
             projected, projected_with = round(projected * cover / self._floor), cover
-        ratio = excess(observed, projected, self._own.monitor)
+        ratio = excess(observed, projected, self._own.monitor, requests)
         if ratio is None:
-            return False
+            return confirmed
         if math.isinf(ratio):
             # Nothing was projected: no coefficient of the policy is wrong; memory was taken outside
             # any request (another process, where the GPU source cannot tell; the engine itself).
@@ -449,9 +828,11 @@ class LaneWatch:
                 observed / 2**20,
                 extra={"fields": {"event": "unprojected_allocation", "observed_bytes": observed}},
             )
-            return False
+            return confirmed
         before = self.margin
-        self.margin = raised_margin(before, projected_with, self._own.cost.margin, ratio, self._own.monitor)
+        self.margin = raised_margin(
+            before, projected_with, self._own.cost.margin, ratio, self._own.monitor, self._ceiling()
+        )
         if cover is not None:
             # What the lane has shown is known from now on: a later reading counts beyond it.
             self.covered = max(cover, projected_with * ratio)
@@ -481,7 +862,9 @@ class LaneWatch:
                 _why(finding),
                 extra={"fields": {"event": "projection_underestimate", **finding.fields()}},
             )
-        return raised
+        if raised:
+            self.on_learned()
+        return raised or confirmed
 
 
 def _why(f: Finding) -> str:

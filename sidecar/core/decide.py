@@ -24,7 +24,9 @@ order it is applied:
    one of equal or higher priority waits, waits behind it (with that one's reason).
 6. **the hold queue's bounds** - a hold becomes ``hold_timeout`` at the request's deadline
    (``hold.max_wait_s`` after it arrived), and ``queue_full`` for a newcomer when ``hold.max_held``
-   are already held.
+   are already held. A newcomer whose expected wait (the work ahead of it at the lane's measured
+   prefill rate, ``expected_wait_s``) already outlasts its deadline is ``hold_timeout`` at once, with
+   Retry-After, instead of parked until then.
 
 A rejection carries Retry-After (``retry_after_s``: the work ahead at the measured prefill rate; none
 for an unfit request); every decision carries the charge that admitting the request books.
@@ -39,8 +41,8 @@ from sidecar.core.constraints import CONSTRAINTS, Reading
 from sidecar.core.decision import Action, Charge, Check, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
-from sidecar.core.rules import ExceedAction, Rules, SignalRules
-from sidecar.core.snapshot import Snapshot
+from sidecar.core.rules import ExceedAction, Rules, SignalRules, VramRules
+from sidecar.core.snapshot import GpuSignals, Snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +115,37 @@ def decide(demand: Demand, s: Situation) -> Decision:
         action, reason = Action.REJECT, Reason.HOLD_TIMEOUT
     elif action is Action.HOLD and not s.queued and s.held >= rules.hold.max_held:
         action, reason = Action.REJECT, Reason.QUEUE_FULL
+    elif action is Action.HOLD and not s.queued:
+        late = _expected_late(demand, s)
+        if late is not None:
+            action, reason, checks = Action.REJECT, Reason.HOLD_TIMEOUT, (*checks, late)
     retry = retry_after_s(s, reason, demand.uncached_tokens) if action is Action.REJECT else None
     return Decision(action, reason, retry, headroom, checks, charge)
+
+
+def expected_wait_s(s: Situation) -> float | None:
+    """The least a newcomer held now waits: the prefill work ahead of it (the tokens forwarded to the
+    engine, the engine's count or the ledger's, and under strict order those of the requests held in
+    front) at the lane's MEASURED prefill rate. None until the rate is measured: the policy's
+    ``hold.prefill_tokens_per_s`` is another lane's assumption, fine for a Retry-After hint, not for
+    refusing a request."""
+    rate = s.prefill_tokens_per_s
+    if not rate or rate <= 0:
+        return None
+    e = s.snapshot.engine
+    forwarded = max((e.pending_prefill_tokens or 0) if e else 0, s.ledger.prefill_tokens)
+    ahead = 0 if s.rules.hold.backfill else s.held_tokens
+    return (forwarded + ahead) / rate
+
+
+def _expected_late(demand: Demand, s: Situation) -> Check | None:
+    """The check that refuses a newcomer at once (``hold_timeout`` with Retry-After) when the work
+    ahead of it at the measured rate already outlasts its deadline: parked, it would only time out."""
+    wait = expected_wait_s(s)
+    if wait is None or s.now + wait <= demand.deadline:
+        return None
+    note = "expected wait (work ahead at the measured prefill rate) exceeds hold.max_wait_s"
+    return Check("expected_wait", False, round(wait, 3), round(demand.deadline - s.now, 3), note)
 
 
 def _starts_own_batch(demand: Demand, s: Situation) -> bool:
@@ -157,16 +188,38 @@ def headroom_bytes(rules: Rules, snap: Snapshot, ledger: LedgerTotals) -> int | 
     """
     v = rules.vram
     if not v.uses_gpu_signal:
-        assert v.idle_free_bytes is not None
-        free = v.idle_free_bytes
-        other = snap.gpu.other_process_bytes if snap.gpu is not None else None
-        if other is not None and v.other_processes_bytes is not None:
-            free -= max(0, other - v.other_processes_bytes)  # a neighbour grew: it is not the engine's
+        free = idle_budget(v, snap.gpu)
     elif snap.gpu is None or snap.gpu.free_bytes is None:
         return None
     else:
         free = snap.gpu.free_bytes
     return free - v.reserve_bytes - ledger.projected_bytes
+
+
+def idle_budget(v: VramRules, gpu: GpuSignals | None) -> int:
+    """The idle budget (``idle_budget`` headroom) before the reserve and the ledger: the minimum over the
+    GPUs of each one's idle free memory less what THAT GPU's other processes grew by since, never more
+    than the figure in force (``v.idle_free_bytes``). The ledger's share is the same on every GPU of a
+    tensor-parallel group (each holds its shard of every transient), so taking it off after the minimum
+    is taking it off each. A GPU measured at idle (``v.idle_devices``) is compared with its own
+    baseline; any other with the policy's ``other_processes_bytes``. A neighbour that was on GPU 0 from
+    the start and one that grows on GPU 1 are then told apart (one maximum over all GPUs was not)."""
+    assert v.idle_free_bytes is not None
+    free = v.idle_free_bytes
+    if gpu is None:
+        return free
+    base = {b.ident: b for b in v.idle_devices}
+    for d in gpu.devices:
+        b = base.get(d.ident)
+        if b is not None:
+            idle, before = b.free_bytes, b.other_process_bytes
+        else:
+            idle, before = v.idle_free_bytes, v.other_processes_bytes
+        grown = (
+            0 if d.other_process_bytes is None or before is None else max(0, d.other_process_bytes - before)
+        )
+        free = min(free, idle - grown)  # a neighbour grew on this GPU: it is not the engine's
+    return free
 
 
 def _judge(

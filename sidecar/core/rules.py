@@ -80,6 +80,17 @@ class CostModel:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceBaseline:
+    """One GPU as the sidecar measured it with the engine idle: its free memory and what other
+    processes held on it then (None where the GPU source cannot tell). ``ident`` matches
+    ``snapshot.DeviceMemory.ident``."""
+
+    ident: str
+    free_bytes: int
+    other_process_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class VramRules:
     headroom: HeadroomSource
     idle_free_bytes: int | None
@@ -90,6 +101,10 @@ class VramRules:
     # ``idle_free_bytes: auto``: the sidecar measures the figure (``Learned``); until then the headroom
     # is live GPU free memory and ``idle_free_bytes`` is None.
     idle_free_auto: bool = False
+    # Per GPU, measured at idle (``admission/lane_watch.py``): each GPU's budget is its own idle free
+    # memory less what ITS other processes grew by since (``decide.idle_budget``). Empty: the policy's
+    # one figure and one ``other_processes_bytes`` for every GPU.
+    idle_devices: tuple[DeviceBaseline, ...] = ()
 
     def transient_cap(self) -> int | None:
         """The largest transient the lane can ever take; larger requests are unfit."""
@@ -168,6 +183,11 @@ class MonitorRules:
     step: float
     tolerance: float
     min_bytes: int
+    # The new margin is what a reading showed times 1 + safety (``lane_watch.raised_margin``); also the
+    # safety on a crash's margin (``lane_watch.crash_margin``).
+    safety: float = 0.05
+    # The engine allocator's rounding per request: an excess under it is no finding (``lane_watch.excess``).
+    allocator_block_bytes: int = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +207,14 @@ class Learned:
     # other processes held then (None: the GPU source cannot tell).
     idle_free_bytes: int | None = None
     idle_other_process_bytes: int | None = None
-    # The cost margin the monitor raised to cover an under-prediction (None: the policy's own).
+    # The cost margin the monitor raised to cover an under-prediction, a crash set, or a new engine
+    # build's conservative state priced (None: the policy's own).
     margin: float | None = None
+    # Each GPU's idle baseline, when the idle figure was measured on several (``decide.idle_budget``).
+    idle_devices: tuple[DeviceBaseline, ...] = ()
+    # The lane facts measured to differ from the policy's, with the figure in force for each (the safer:
+    # ``core/facts.py``), e.g. (("idle_free_bytes", 1438646272), ("kv_pool_tokens", 33000)).
+    facts: tuple[tuple[str, int], ...] = ()
 
 
 NOTHING_LEARNED = Learned()

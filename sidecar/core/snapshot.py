@@ -52,6 +52,9 @@ class EngineSignals:
     chunked_prefill_size: int | None = None
     max_running_requests: int | None = None
     context_len: int | None = None
+    # GPUs the engine runs on: /server_info's tp_size x pp_size (``core/facts.py`` compares it with the
+    # devices the GPU source reads).
+    gpus: int | None = None
     version: str | None = None
     # Which endpoints contributed, e.g. ("metrics", "loads", "server_info").
     sources: tuple[str, ...] = ()

@@ -517,6 +517,48 @@ def watch_metrics(a: Admission) -> Iterable[Metric]:
         )
         idle.add_metric([], float(w.idle.free_bytes))
         yield idle
+    yield from robustness_metrics(a)
+
+
+def robustness_metrics(a: Admission) -> Iterable[Metric]:
+    """Issue 29 (docs/robustness.md): lane facts measured against the policy, crashes read as
+    under-predictions, and a new engine build not yet confirmed."""
+    w = a.watch
+    fact = GaugeMetricFamily(
+        PREFIX + "lane_fact",
+        "A lane fact as the policy states it, as the sidecar measured it, and the one in force (the "
+        "safer): idle_free_bytes in bytes, pools and lengths in tokens or slots, gpus in devices",
+        labels=["fact", "source"],
+    )
+    disagree = GaugeMetricFamily(
+        PREFIX + "lane_fact_disagreement",
+        "1 where the policy's figure for a lane fact and the measured one differ beyond the tolerance "
+        "(the safer is in force), else 0",
+        labels=["fact", "unsafe"],
+    )
+    for f in w.facts:
+        for source, value in (("policy", f.policy), ("measured", f.measured), ("in_force", f.in_force)):
+            if value is not None:
+                fact.add_metric([f.name, source], float(value))
+        if f.policy is not None and f.measured is not None:
+            disagree.add_metric([f.name, "true" if f.unsafe else "false"], 1.0 if f.disagrees else 0.0)
+    if fact.samples:
+        yield fact
+    if disagree.samples:
+        yield disagree
+    crashes = CounterMetricFamily(
+        PREFIX + "engine_crashes",
+        "Engine restarts while the gate had admitted work, each read as an under-prediction of what was "
+        "admitted (the margin rises so that it would not have fitted)",
+    )
+    crashes.add_metric([], float(w.crashes))
+    yield crashes
+    build = GaugeMetricFamily(
+        PREFIX + "engine_build_unconfirmed",
+        "1 while a new engine build runs under the conservative margin, until a reading confirms the fit",
+    )
+    build.add_metric([], 1.0 if w.conservative is not None else 0.0)
+    yield build
 
 
 def policy_limits(p: Rules) -> Iterable[Metric]:

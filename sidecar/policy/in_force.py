@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from sidecar.core import facts
 from sidecar.core.rules import (
     NOTHING_LEARNED,
     CostModel,
@@ -36,7 +37,7 @@ def rules_in_force(p: Policy, learned: Learned = NOTHING_LEARNED) -> Rules:
     cost = _view(CostModel, p.cost)
     if learned.margin is not None:
         cost = replace(cost, margin=learned.margin)
-    return Rules(
+    rules = Rules(
         lane=_view(LaneRules, p.lane),
         cost=cost,
         vram=_vram(p.vram, learned),
@@ -50,6 +51,20 @@ def rules_in_force(p: Policy, learned: Learned = NOTHING_LEARNED) -> Rules:
         monitor=_view(MonitorRules, p.monitor),
         guard=_view(GuardRules, p.guard),
     )
+    # The lane facts measured to differ from the policy's: the safer figure (core/facts.py).
+    return _per_device(facts.in_force(rules, learned.facts), learned)
+
+
+def _per_device(rules: Rules, learned: Learned) -> Rules:
+    """Each GPU's idle baseline (``decide.idle_budget``): the figure in force for the tightest GPU,
+    the others as far above it as they measured at idle, each with what its other processes held
+    then. One GPU, or nothing measured: the one figure."""
+    devices, vram = learned.idle_devices, rules.vram
+    if len(devices) < 2 or vram.idle_free_bytes is None:
+        return rules
+    tight = min(d.free_bytes for d in devices)
+    spread = tuple(replace(d, free_bytes=vram.idle_free_bytes + d.free_bytes - tight) for d in devices)
+    return replace(rules, vram=replace(vram, idle_devices=spread))
 
 
 def rules_of(p: Policy) -> Rules:

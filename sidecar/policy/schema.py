@@ -271,8 +271,9 @@ class Monitor(_Strict):
 
     Always on, in shadow and enforce: an allocation larger than the ledger's projection for what was
     running is counted and logged. With ``raise_margin`` the cost margin in force rises to cover it
-    (observed / projected x margin, plus ``step``), never above ``max_margin``; a policy reload starts
-    again from the policy's own margin. An allocation within ``tolerance`` (relative) of the projection
+    (observed / projected x margin, times 1 + ``safety``, at least plus ``step``), never above
+    ``max_margin``, nor so far that a prompt this engine has served becomes unfit; a policy reload
+    starts again from the policy's own margin (a crash's margin stays: docs/robustness.md). An allocation within ``tolerance`` (relative) of the projection
     or smaller than ``min_bytes`` over it is allocator rounding, not a finding. With
     ``cost.calibrated_ratio`` the projection it is compared with is the fit times that ratio, without
     the margin's safety on top (``Cost`` says why).
@@ -280,9 +281,16 @@ class Monitor(_Strict):
 
     raise_margin: bool = True
     max_margin: float = Field(default=1.5, ge=1.0)
-    step: float = Field(default=0.05, ge=0.0, le=1.0)
+    # The new margin is the ratio the reading showed times (1 + safety): proportional to what was seen
+    # (``lane_watch.raised_margin``). ``step``, when set, is the least it adds on top of that ratio.
+    safety: float = Field(default=0.05, ge=0.0, le=1.0)
+    step: float = Field(default=0.0, ge=0.0, le=1.0)
     tolerance: float = Field(default=0.02, ge=0.0, le=1.0)
     min_bytes: Size = 32 * 1024 * 1024
+    # The engine allocator's granularity: an excess under this per request in a reading is rounding,
+    # whatever ``min_bytes`` says (``lane_watch.excess``). PyTorch's caching allocator, so SGLang's,
+    # rounds every large block up to 2 MiB (evidence R1); 0 only for an engine that allocates exactly.
+    allocator_block_bytes: Size = 2 * 1024 * 1024
 
 
 class Guard(_Strict):

@@ -239,7 +239,11 @@ def _monitor(policy: Policy) -> str:
         cap = max(m.max_margin, policy.cost.margin)
         said = (
             f"under-predictions {seen} are counted and logged, and raise cost.margin "
-            f"({policy.cost.margin:g}) to cover them + {m.step:g}, up to {cap:g}, until the next policy load"
+            f"({policy.cost.margin:g}) to what they showed x{1 + m.safety:g}"
+            + (f" (at least + {m.step:g})" if m.step else "")
+            + f", up to {cap:g} and never so far that a prompt the lane served becomes unfit, until the"
+            " next policy load; an engine restart with admitted work raises it so that work would not"
+            " have fitted (docs/robustness.md)"
         )
     # What the margin leaves above what a reading is compared with.
     ratio = cost.calibrated_ratio or 1.0

@@ -387,6 +387,11 @@ def parse_server_info(obj: object) -> dict[str, object]:
     elif (v := _as_int(obj.get("max_total_num_tokens"), "max_total_num_tokens")) is not None:
         out["max_total_tokens"] = v
 
+    tp = _as_int(obj.get("tp_size"), "tp_size")
+    if tp is not None and tp > 0:
+        pp = _as_int(obj.get("pp_size"), "pp_size")
+        out["gpus"] = tp * (pp if pp is not None and pp > 0 else 1)
+
     if isinstance(obj.get("version"), str):
         out["version"] = obj["version"]
     return out

@@ -1,0 +1,259 @@
+"""What the lane watch learns beyond the monitor's findings (issue 29, docs/robustness.md), on a real
+``Admission`` fed snapshots on a manual clock: a crash with admitted work raises the margin so that
+the set would not have fitted; a new engine build is priced conservatively until a reading confirms
+the fit; benign differences (the allocator's 2 MiB rounding, a few per cent) never make a prompt the
+lane served unfit; each GPU keeps its own idle baseline; the state file keeps what was learnt."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sidecar.admission.controller import Admission, Outcome
+from sidecar.admission.lane_watch import NEW_BUILD_SAFETY, AdmittedSet, crash_margin, excess
+from sidecar.core.decision import Action, Reason
+from sidecar.core.ledger import LedgerTotals
+from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
+from sidecar.ops import learned_file
+from sidecar.policy.in_force import rules_of
+from sidecar.policy.schema import Monitor
+from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot, submit
+
+GIB = 1024 * MIB
+
+
+def lane(clock: ManualClock, **overrides: object) -> Admission:
+    """1 MiB per chunk token at margin 1.0, a 4 GiB idle budget measured at start (``auto``)."""
+    settings: dict[str, object] = dict(
+        cost__activation_bytes_per_chunk_token="1MiB",
+        cost__margin=1.0,
+        vram__headroom="idle_budget",
+        vram__idle_free_bytes="auto",
+        monitor__tolerance=0.0,
+        monitor__min_bytes="1MiB",
+        monitor__max_margin=3.0,
+        lane__chunked_prefill_size=100_000,
+    )
+    a = Admission(small_policy(**(settings | overrides)), clock)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
+    assert a.watch.idle is not None and a.rules.vram.idle_free_bytes == 4 * GIB
+    return a
+
+
+def gpu(snap: Snapshot, at: float, free: int) -> Snapshot:
+    return replace(snap, gpu=GpuSignals(at, "test", (DeviceMemory("GPU-0", free, 80 * GIB),)))
+
+
+def failing(snap: Snapshot, failures: int = 1) -> Snapshot:
+    return replace(snap, engine_health=SourceHealth(None, "connection refused", failures))
+
+
+# -- a crash is evidence -------------------------------------------------------------------------------
+
+
+def test_crash_margin_prices_the_admitted_set_beyond_what_it_was_admitted_into() -> None:
+    m = Monitor(max_margin=3.0, safety=0.05)
+    s = AdmittedSet(
+        0.0, ("a",), projected_bytes=2000 * MIB, margin=1.0, budget_bytes=2400 * MIB, reserve_bytes=0
+    )
+    new = crash_margin(s, m, 1.0)
+    assert new == pytest.approx(1.2 * 1.05)
+    assert 2000 * MIB * new > s.budget_bytes  # the set no longer fits its budget
+    # Priced at a raised margin already: its cost terms are the projection over that margin.
+    assert crash_margin(replace(s, margin=1.25, projected_bytes=2500 * MIB), m, 1.0) == pytest.approx(1.26)
+    # Bounded by max_margin; nothing to read against without a budget or a projection.
+    assert crash_margin(replace(s, projected_bytes=100 * MIB), m, 1.0) == 3.0
+    assert crash_margin(replace(s, budget_bytes=None), m, 1.0) is None
+    assert crash_margin(replace(s, projected_bytes=0), m, 1.0) is None
+
+
+def test_a_restart_after_admitted_requests_failed_raises_the_margin_and_logs_the_set(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = lane(clock)
+    big = submit(a, ask(a, 3000, request_id="big"))  # 3,000 MiB of a 4,096 MiB budget
+    small = submit(a, ask(a, 500, request_id="small"))
+    assert big.admitted and small.admitted
+    # The engine dies: the first failed request names the set as it was (both still charged) ...
+    big.end(Outcome.UPSTREAM_ERROR)
+    small.end(Outcome.UPSTREAM_ERROR)
+    clock.advance(1.0)
+    a.update_snapshot(failing(a.snapshot))
+    assert a.ledger.totals.requests == 0
+    # ... and when it is back as a new process, that set is the evidence.
+    with caplog.at_level(logging.WARNING, logger="sidecar.admission.lane_watch"):
+        a.engine_restarted("scheduler pid [1] -> [2]")
+    crash = a.watch.last_crash
+    assert a.watch.crashes == 1 and crash is not None and crash.admitted.request_ids == ("big", "small")
+    assert crash.admitted.projected_bytes == 3500 * MIB and crash.admitted.budget_bytes == 4 * GIB
+    assert a.rules.cost.margin == pytest.approx(4096 / 3500 * 1.05)
+    # The same set would not be admitted now.
+    assert ask(a, 3000).projected_bytes + ask(a, 500).projected_bytes > 4 * GIB
+    (line,) = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "engine_crash"]
+    assert "big, small" in line.getMessage() and line.fields["requests"] == 2  # type: ignore[attr-defined]
+    # Kept across the next restart (nothing admitted then: no crash, no change) and a reload of the same costs.
+    a.engine_restarted("it answered again after a failed scrape")
+    assert a.watch.crashes == 1 and a.rules.cost.margin == pytest.approx(4096 / 3500 * 1.05)
+    a.reload(a.loaded)
+    assert a.rules.cost.margin == pytest.approx(4096 / 3500 * 1.05)
+
+
+def test_a_lost_scrape_of_the_same_process_is_no_crash(clock: ManualClock) -> None:
+    a = lane(clock)
+    h = submit(a, ask(a, 3000, request_id="big"))
+    clock.advance(0.1)
+    a.update_snapshot(failing(a.snapshot))  # one scrape failed with work admitted
+    clock.advance(1.0)
+    a.update_snapshot(gpu(snapshot(clock.t), clock.t, 4 * GIB - 3000 * MIB))  # the same engine answers
+    h.end(Outcome.COMPLETED)
+    a.engine_restarted("scheduler pid [1] -> [2]")  # later, idle: a restart, not a crash
+    assert a.watch.crashes == 0 and a.rules.cost.margin == 1.0
+
+
+def test_the_state_file_keeps_the_margin_across_a_sidecar_restart_atomically(
+    clock: ManualClock, tmp_path: Path
+) -> None:
+    path = tmp_path / "lane.json"
+    a = lane(clock)
+    learned_file.keep(path, a.watch)
+    h = submit(a, ask(a, 3000, request_id="big"))
+    h.end(Outcome.UPSTREAM_ERROR)
+    a.engine_restarted("scheduler pid [1] -> [2]")
+    saved = json.loads(path.read_text())
+    assert saved["margin"] == pytest.approx(4096 / 3000 * 1.05) and saved["crashes"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["lane.json"]  # no temporary file left
+
+    b = lane(clock)
+    assert learned_file.restore(path, b.watch) is not None
+    b.refresh_rules()
+    assert b.rules.cost.margin == pytest.approx(4096 / 3000 * 1.05)
+    # Another calibration (other costs) starts from its own margin.
+    c = lane(clock, cost__activation_bytes_per_chunk_token="2MiB")
+    said = learned_file.restore(path, c.watch)
+    c.refresh_rules()
+    assert said is not None and "margins ignored" in said and c.rules.cost.margin == 1.0
+    # A broken file is logged and ignored.
+    path.write_text("{not json")
+    d = lane(clock)
+    assert learned_file.restore(path, d.watch) is None and d.watch.margin == 1.0
+
+
+# -- a new engine build ----------------------------------------------------------------------------------
+
+
+def test_a_new_build_is_conservative_until_a_reading_confirms_the_fit(clock: ManualClock) -> None:
+    a = lane(clock)
+    clock.advance(1.0)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.24"), clock.t, 4 * GIB))
+    assert a.watch.conservative == "engine build 0.5.23 -> 0.5.24"
+    assert a.rules.cost.margin == pytest.approx(1.0 + NEW_BUILD_SAFETY)
+    # A small prompt cannot show a 25 % change beyond the monitor's floor: it confirms nothing.
+    tiny = submit(a, ask(a, 2, request_id="tiny"))
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 2 * MIB))
+    assert a.watch.conservative is not None
+    tiny.end(Outcome.COMPLETED)
+    # A prompt large enough, drawing what its cost terms say: confirmed, the learned margin again.
+    h = submit(a, ask(a, 1000, request_id="r1"))
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 1000 * MIB))
+    assert a.watch.conservative is None and a.rules.cost.margin == 1.0
+    h.end(Outcome.COMPLETED)
+
+
+def test_a_new_build_that_draws_more_sets_the_margin_from_what_it_drew(clock: ManualClock) -> None:
+    a = lane(clock)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.24"), clock.t, 4 * GIB))
+    h = submit(a, ask(a, 1000, request_id="r1"))  # priced at 1.25: 1,250 MiB
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 1100 * MIB))  # drew x1.10 of its terms
+    assert a.watch.conservative is None
+    assert a.rules.cost.margin == pytest.approx(1.1 * 1.05)
+    h.end(Outcome.COMPLETED)
+
+
+# -- the monitor in proportion ---------------------------------------------------------------------------
+
+
+def test_the_allocator_s_rounding_is_no_finding() -> None:
+    m = Monitor(tolerance=0.0, min_bytes=MIB)  # the outage lane's: every byte past 1 MiB counts
+    assert excess(1000 * MIB + 2 * MIB, 1000 * MIB, m) is None  # one 2 MiB block for one request
+    assert excess(1000 * MIB + 6 * MIB, 1000 * MIB, m, requests=3) is None
+    assert excess(1000 * MIB + 7 * MIB, 1000 * MIB, m, requests=3) == pytest.approx(1.007)
+    assert excess(
+        1000 * MIB + 2 * MIB, 1000 * MIB, Monitor(min_bytes=0, allocator_block_bytes=0, tolerance=0)
+    ) == (pytest.approx(1.002))
+
+
+def test_a_small_overrun_never_makes_a_prompt_the_lane_served_unfit(clock: ManualClock) -> None:
+    """Issue 29: at tolerance 0 a 0.56 % overrun raised the margin by a fixed 0.1 and the band of
+    prompts just below the lane's limit became unfit_request. Now the margin follows the ratio seen
+    (x 1.05), and never so far that a prompt served on this engine becomes unfit."""
+    a = lane(clock)
+    edge = submit(a, ask(a, 4000, request_id="edge"))  # 4,000 MiB of the 4,096 MiB the lane frees
+    assert edge.admitted
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 4000 * MIB))  # as priced
+    edge.prefill_done()
+    edge.end(Outcome.COMPLETED)
+    clock.advance(0.1)
+    # A later, smaller prompt draws 3 % over its terms (beyond the allocator's block).
+    r = submit(a, ask(a, 2000, request_id="r"))
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 4000 * MIB - 60 * MIB))
+    assert a.watch.underestimates == 1
+    # 1.0 x 1.03 x 1.05 would make the served 4,000-token prompt unfit: held at what keeps it fit.
+    assert a.rules.cost.margin == pytest.approx(4096 / 4000, rel=1e-3)
+    r.end(Outcome.COMPLETED)
+    d = a.evaluate(ask(a, 4000, request_id="again"))
+    assert d.reason is not Reason.UNFIT_REQUEST and d.action is Action.ADMIT
+
+
+# -- per-GPU idle baselines ------------------------------------------------------------------------------
+
+
+def test_each_gpu_s_idle_baseline_is_measured_and_its_own_neighbour_counts(clock: ManualClock) -> None:
+    """Issue 29: a 3 GiB neighbour on GPU 0 from the start and one growing 0 -> 2 GiB on GPU 1 left
+    the headroom unchanged. Measured per GPU at idle, GPU 1's growth is GPU 1's."""
+    a = Admission(
+        small_policy(vram__headroom="idle_budget", vram__idle_free_bytes="auto", cost__fixed_bytes=0), clock
+    )
+
+    def two(other1: int) -> Snapshot:
+        devices = (
+            DeviceMemory("GPU-0", 10 * GIB, 80 * GIB, 3 * GIB),
+            DeviceMemory("GPU-1", 10 * GIB + 3 * GIB - other1, 80 * GIB, other1),
+        )
+        return replace(snapshot(clock.t), gpu=GpuSignals(clock.t, "test", devices))
+
+    a.update_snapshot(two(0))
+    assert a.rules.vram.idle_free_bytes == 10 * GIB and len(a.rules.vram.idle_devices) == 2
+    assert a.evaluate(ask(a, 1)).headroom_bytes == 10 * GIB
+    clock.advance(1.0)
+    a.update_snapshot(two(2 * GIB))  # GPU 1: 11 GiB of budget left; GPU 0 still 10
+    assert a.evaluate(ask(a, 1)).headroom_bytes == 10 * GIB
+    clock.advance(1.0)
+    a.update_snapshot(two(4 * GIB))  # GPU 1: 9 GiB left, the tighter one
+    assert a.evaluate(ask(a, 1)).headroom_bytes == 9 * GIB
+    assert [d["ident"] for d in a.watch.state(clock.t)["idle_free"]["measured_devices"]] == ["GPU-0", "GPU-1"]
+
+
+def test_the_engine_s_own_facts_disagreeing_are_warned_of_once_and_in_force(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = lane(clock)  # the policy: pool 100,000 tokens, context 100,000
+    with caplog.at_level(logging.WARNING, logger="sidecar.admission.lane_watch"):
+        for _ in range(3):
+            clock.advance(0.5)
+            a.update_snapshot(gpu(snapshot(clock.t, max_total_tokens=33_000), clock.t, 4 * GIB))
+    warned = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "lane_fact_disagrees"]
+    assert len(warned) == 1 and warned[0].fields["fact"] == "kv_pool_tokens"  # type: ignore[attr-defined]
+    assert a.rules.lane.kv_pool_tokens == 33_000
+    assert a.watch.state(clock.t)["lane_facts"]["kv_pool_tokens"]["in_force"] == 33_000
+    assert rules_of(a.policy).lane.kv_pool_tokens == 100_000  # the policy's own, unchanged
+    assert isinstance(a.snapshot.engine, EngineSignals)
+    _ = LedgerTotals
