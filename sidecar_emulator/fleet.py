@@ -52,6 +52,39 @@ RECOMMENDED_ROUTER_FLAGS = [
     "--health-failure-threshold",
     "2",
 ]
+
+
+@dataclass(frozen=True)
+class RouterKind:
+    """One of SGLang's routers as a wheel installs it (pinned in the test extra: what each does with
+    an answer was measured on that version, docs/routing.md)."""
+
+    name: str
+    module: str  # ``python -m <module>`` starts it
+    policies: tuple[str, ...]  # its --policy choices that route a plain request (no PD, no header)
+
+
+# PyPI's last ``sglang-router`` (SGLang's in-tree router before it became the model gateway).
+SGLANG_ROUTER = RouterKind(
+    "sglang-router 0.3.2",
+    "sglang_router.launch_router",
+    ("round_robin", "random", "cache_aware", "power_of_two"),
+)
+# The SGLang model gateway's own package: polls /v1/loads, overload veto on by default.
+SMG = RouterKind(
+    "smg 1.13.0",
+    "smg.launch_router",
+    (
+        "round_robin",
+        "random",
+        "cache_aware",
+        "power_of_two",
+        "least_load",
+        "consistent_hashing",
+        "prefix_hash",
+    ),
+)
+ROUTER_KINDS = {"sglang-router": SGLANG_ROUTER, "smg": SMG}
 BREAKER_OPEN = re.compile(r"Circuit breaker state transition: closed -> open")
 
 
@@ -163,10 +196,19 @@ class Fleet:
         self.procs.append(p)
         return p
 
-    async def router(self, name: str, workers: list[str], flags: list[str]) -> Proc:
+    async def router(
+        self,
+        name: str,
+        workers: list[str],
+        flags: list[str],
+        *,
+        kind: RouterKind | None = None,
+        policy: str = "round_robin",
+    ) -> Proc:
+        kind = kind or SGLANG_ROUTER
         port = free_port()
-        args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
-        args += ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+        args = [sys.executable, "-m", kind.module, "--worker-urls", *workers]
+        args += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
         # Its own metrics listener: a fixed default port would collide between routers.
         mport = free_port()
         args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), *flags]
@@ -216,6 +258,9 @@ async def lanes(
     return engines, sets
 
 
+JSON_HEADERS = {"content-type": "application/json"}
+
+
 @dataclass
 class Answer:
     kind: str  # "unfit" | "small"
@@ -226,9 +271,11 @@ class Answer:
 
 async def send(s: aiohttp.ClientSession, url: str, tokens: int, kind: str, max_new: int = 8) -> Answer:
     body = {"input_ids": [11] * tokens, "sampling_params": {"max_new_tokens": max_new}, "stream": False}
+    # Compact JSON, 3 bytes a token: 300K tokens stay under smg's 1 MiB retry cut (the hard case).
+    data = json.dumps(body, separators=(",", ":"))
     t = time.monotonic()
     try:
-        async with s.post(url + "/generate", json=body) as r:
+        async with s.post(url + "/generate", data=data, headers=JSON_HEADERS) as r:
             data = await r.read()
             code = None
             with contextlib.suppress(ValueError, AttributeError, TypeError):
