@@ -225,7 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--router-flags",
         choices=["defaults", "recommended", "both"],
         default="both",
-        help="the router at its defaults (breaker on, /health) or with the recommended flags (docs/routing.md)",
+        help="the router at its defaults or with the recommended flags (breaker off, /readyz checks)",
+    )
+    f.add_argument(
+        "--gateway",
+        choices=["smg", "sglang-router", "both"],
+        default="both",
+        help="which router to model: SGLang's model gateway (smg 1.13), sglang-router 0.3.2, or both",
     )
     f.add_argument(
         "--answers",

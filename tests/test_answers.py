@@ -189,7 +189,11 @@ async def test_readyz_stays_ready_while_requests_are_held(tmp_path: Path) -> Non
 def test_answers_section_is_validated() -> None:
     # The defaults (docs/routing.md): 413 unfit, 429 busy, 503 only where the lane cannot serve at all.
     d = small_policy().policy.answers
-    assert (d.unfit_context.status, d.unfit_lane.status, d.for_reason("hold_timeout").status) == (400, 413, 429)
+    assert (d.unfit_context.status, d.unfit_lane.status, d.for_reason("hold_timeout").status) == (
+        400,
+        413,
+        429,
+    )
     assert d.for_reason("engine_unavailable").status == d.for_reason("draining").status == 503
     p = small_policy(answers__unfit_lane={"status": 503}, answers__reasons={"queue_full": {"status": 503}})
     assert p.policy.answers.unfit_lane.status == 503

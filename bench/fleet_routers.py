@@ -1,0 +1,243 @@
+"""Behind both of SGLang's real routers, on real processes: what each does with the sidecar's answers.
+
+Routers: ``smg`` 1.13.0 (the model gateway's PyPI package) and ``sglang-router`` 0.3.2 (PyPI's last
+release of the older one), both pinned in the test extra. Lanes: 2 or 4 emulated Max-Q lanes
+(``sglang-sidecar emulate --speed 20``), a sidecar in front of each. The lanes are started once per
+lane count and router; each case gets a fresh router (its breakers closed, its counters at zero).
+
+Cases (``CASES``):
+
+- the acceptance matrix: the sidecar at its defaults (unfit 413, busy 429, engine gone 503); smg at its
+  defaults, 0.3.2 with the documented flags (``fleet.RECOMMENDED_ROUTER_FLAGS``); every routing policy
+  the router has; 16 and 32 requests no lane can run (300K tokens, compact ``input_ids``: 0.86 MiB, under
+  smg's 1 MiB retry cut), 8 at a time, then 10 small requests one after another;
+- the baselines that say why: the answers before issue 26 (unfit and busy 503) behind smg at its
+  defaults, and the new defaults behind 0.3.2 at its defaults (round robin);
+- the mixed load, ``--repeats`` times each (a distribution, not one draw): the burst during a chat load
+  (1K-40K tokens, 6 at a time), then 10 small requests; behind smg with its overload veto on (the
+  default: a lane whose ``/v1/loads`` shows 8 waiting, held requests included, leaves the rotation) and
+  off, and behind 0.3.2 with the documented flags.
+
+Bounded: every request has a 120 s client timeout; each case stops by itself. Writes
+``bench/results/fleet-routers.{json,md}``; ``tests/test_fleet_replay.py`` replays every case below
+(``LIVE``) and compares ejections and small requests served.
+
+    .venv/bin/python bench/fleet_routers.py [--quick] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.fleet import chat_load  # noqa: E402
+from sidecar.policy.schema import load_policy_file  # noqa: E402
+from sidecar_emulator import fleet as F  # noqa: E402
+
+SPEED = 20.0
+UNFIT_TOKENS = 300_000
+# The answers the sidecar shipped before issue 26: unfit and busy both 503.
+OLD_ANSWERS: dict[str, Any] = {
+    "unfit_lane": {"status": 503, "retry_after": False, "should_retry": False},
+    "transient": {"status": 503, "retry_after": True, "should_retry": True},
+}
+VETO_OFF = ["--disable-worker-overload-protection"]
+
+
+def router_setups() -> list[tuple[F.RouterKind, str, list[str]]]:
+    """(router, its settings' label, flags): smg at its defaults; 0.3.2 with the documented flags."""
+    return [(F.SMG, "defaults", []), (F.SGLANG_ROUTER, "documented flags", F.RECOMMENDED_ROUTER_FLAGS)]
+
+
+async def burst_case(
+    f: F.Fleet, workers: list[str], kind: F.RouterKind, flags: list[str], policy: str, n_unfit: int
+) -> dict[str, Any]:
+    router = await f.router("router", workers, flags, kind=kind, policy=policy)
+    await F.wait_ready(router, "/health")
+    t0 = time.monotonic()
+    answers = await F.burst_then_small(router.url, unfit_tokens=UNFIT_TOKENS, n_unfit=n_unfit)
+    wall = time.monotonic() - t0
+    row = {
+        "ejections": F.breaker_opens(router),
+        "router_retries": await F.router_retries(router),
+        "wall_s": round(wall, 1),
+        **F.summarize(answers),
+    }
+    await f.stop(router)
+    return row
+
+
+async def mixed_case(
+    f: F.Fleet, workers: list[str], kind: F.RouterKind, flags: list[str], policy: str, seed: int
+) -> dict[str, Any]:
+    router = await f.router("router", workers, flags, kind=kind, policy=policy)
+    await F.wait_ready(router, "/health")
+    t0 = time.monotonic()
+    burst = asyncio.create_task(F.burst_then_small(router.url, unfit_tokens=UNFIT_TOKENS, n_small=0))
+    chat = await chat_load(router.url, 40, 6, seed=seed)
+    unfit = await burst
+    small = await F.burst_then_small(router.url, unfit_tokens=UNFIT_TOKENS, n_unfit=0)
+    wall = time.monotonic() - t0
+    row = {
+        "ejections": F.breaker_opens(router),
+        "router_retries": await F.router_retries(router),
+        "wall_s": round(wall, 1),
+        "chat_served": sum(1 for a, _ in chat if a.status == 200),
+        "chat_sent": len(chat),
+        "chat_statuses": dict(Counter(str(a.status) for a, _ in chat)),
+        **F.summarize(unfit + small),
+    }
+    await f.stop(router)
+    return row
+
+
+async def lanes_run(
+    lanes: int, kind: F.RouterKind, flags: list[str], label: str, quick: bool, repeats: int
+) -> list[dict[str, Any]]:
+    """Every case on one set of lanes: the matrix for this router, its baseline, its mixed loads."""
+    policy_file = load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml")
+    rows: list[dict[str, Any]] = []
+    policies = kind.policies[:2] if quick else kind.policies
+    with tempfile.TemporaryDirectory() as d:
+        async with F.fleet(Path(d)) as f:
+            engines, sets = await F.lanes(
+                f, lanes, "maxq-old", policy_file, SPEED, sidecars={"default": None, "old": OLD_ANSWERS}
+            )
+            new, old = [s.url for s in sets["default"]], [s.url for s in sets["old"]]
+            base = {"router": kind.name, "lanes": lanes}
+
+            def emit(row: dict[str, Any]) -> None:
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+
+            async with F.CrashWatch(engines) as watch:
+                for n_unfit in (16, 32):
+                    for pol in policies:
+                        r = await burst_case(f, new, kind, flags, pol, n_unfit)
+                        emit(
+                            base
+                            | {"case": "burst", "answers": "defaults", "settings": label}
+                            | r
+                            | {"policy": pol, "n_unfit": n_unfit}
+                        )
+                    # Why: the other side's settings, round robin.
+                    if kind is F.SMG:
+                        r = await burst_case(f, old, kind, [], "round_robin", n_unfit)
+                        emit(
+                            base
+                            | {"case": "burst", "answers": "before #26 (503)", "settings": "defaults"}
+                            | r
+                            | {"policy": "round_robin", "n_unfit": n_unfit}
+                        )
+                    else:
+                        r = await burst_case(f, new, kind, [], "round_robin", n_unfit)
+                        emit(
+                            base
+                            | {"case": "burst", "answers": "defaults", "settings": "defaults"}
+                            | r
+                            | {"policy": "round_robin", "n_unfit": n_unfit}
+                        )
+                if lanes == 2:
+                    mixes = [(label, flags)]
+                    if kind is F.SMG:
+                        mixes.append(("defaults, overload veto off", VETO_OFF))
+                    for mix_label, mix_flags in mixes:
+                        for k in range(1 if quick else repeats):
+                            r = await mixed_case(f, new, kind, mix_flags, "round_robin", seed=7 + k)
+                            emit(
+                                base
+                                | {"case": "mixed", "answers": "defaults", "settings": mix_label}
+                                | r
+                                | {"policy": "round_robin", "n_unfit": 16, "repeat": k}
+                            )
+            crashes = sum(watch.crashes.values())
+    for r in rows:
+        r["crashes_during_lane_set"] = crashes
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| router | settings | sidecar answers | lanes | policy | unfit | ejections | small served | retries "
+        "| unfit answered | wall s |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        if r["case"] != "burst":
+            continue
+        unfit = ", ".join(f"{k}x{v}" for k, v in r["unfit_statuses"].items())
+        out.append(
+            f"| {r['router']} | {r['settings']} | {r['answers']} | {r['lanes']} | {r['policy']} | "
+            f"{r['n_unfit']} | {r['ejections']} | {r['small_served']}/{r['small_sent']} | "
+            f"{r['router_retries']} | {unfit} | {r['wall_s']} |"
+        )
+    return "\n".join(out)
+
+
+def mixed_table(rows: list[dict[str, Any]]) -> str:
+    """One line per router and settings: how many of N runs ejected a lane, chat and small served."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["case"] == "mixed":
+            groups.setdefault((r["router"], r["settings"]), []).append(r)
+    out = [
+        "| router | settings | runs | runs with a lane ejected | chat served (each run) | small served "
+        "(each run) | retries (each run) |",
+        "|---|---|---:|---:|---|---|---|",
+    ]
+    for (router, settings), rs in groups.items():
+        ejected = sum(1 for r in rs if r["ejections"] > 0)
+        chat = ", ".join(f"{r['chat_served']}/{r['chat_sent']}" for r in rs)
+        small = ", ".join(f"{r['small_served']}/{r['small_sent']}" for r in rs)
+        retries = ", ".join(str(r["router_retries"]) for r in rs)
+        out.append(
+            f"| {router} | {settings} | {len(rs)} | {ejected} of {len(rs)} | {chat} | {small} | {retries} |"
+        )
+    return "\n".join(out)
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two policies, one mixed run, 2 lanes only")
+    ap.add_argument("--repeats", type=int, default=3, help="mixed-load runs per setting (default 3)")
+    args = ap.parse_args()
+    started = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    for lanes in (2,) if args.quick else (2, 4):
+        for kind, label, flags in router_setups():
+            rows += await lanes_run(lanes, kind, flags, label, args.quick, args.repeats)
+    took = time.monotonic() - started
+    out = ROOT / "bench" / "results"
+    (out / "fleet-routers.json").write_text(json.dumps(rows, indent=1) + "\n")
+    md = (
+        "# The sidecar behind both SGLang routers (smg 1.13.0, sglang-router 0.3.2)\n\n"
+        f"`.venv/bin/python bench/fleet_routers.py{' --quick' if args.quick else ''} --repeats "
+        f"{args.repeats}` on a 2-core shared machine, {took / 60:.0f} min. Emulated maxq-old lanes at "
+        f"--speed {SPEED:g}, a sidecar in front of each; {UNFIT_TOKENS:,}-token requests no lane can run "
+        "(compact input_ids, 0.86 MiB: under smg's 1 MiB retry cut), 8 at a time, then 10 small requests. "
+        "Sidecar defaults: unfit 413, busy 429 + Retry-After, engine gone 503. 0.3.2's documented flags: `"
+        + " ".join(F.RECOMMENDED_ROUTER_FLAGS)
+        + "`. Ejections: the router's breaker transitions closed -> open (its own log).\n\n"
+        "## Bursts\n\n"
+        + table(rows)
+        + "\n\n## Mixed load (burst during 40 chat requests, 2 lanes, round robin)\n\n"
+        + mixed_table(rows)
+        + "\n"
+    )
+    (out / "fleet-routers.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
