@@ -30,12 +30,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,11 +49,6 @@ from sidecar_emulator import fleet as F  # noqa: E402
 
 SPEED = 20.0
 UNFIT_TOKENS = 300_000
-# The answers the sidecar shipped before issue 26: unfit and busy both 503.
-OLD_ANSWERS: dict[str, Any] = {
-    "unfit_lane": {"status": 503, "retry_after": False, "should_retry": False},
-    "transient": {"status": 503, "retry_after": True, "should_retry": True},
-}
 VETO_OFF = ["--disable-worker-overload-protection"]
 
 
@@ -101,6 +99,75 @@ async def mixed_case(
     return row
 
 
+async def held_case(
+    f: F.Fleet, workers: list[str], flags: list[str], policy: str, seed: int
+) -> dict[str, Any]:
+    """Enough long prompts at once that the sidecars hold some (16 at a time, 20K-40K tokens): does
+    counting the held in /v1/loads (smg's overload veto at 8 waiting) help or hurt?"""
+    router = await f.router("router", workers, flags, kind=F.SMG, policy=policy)
+    await F.wait_ready(router, "/health")
+    t0 = time.monotonic()
+    rng = random.Random(seed)
+    sizes = [rng.randint(20_000, 40_000) for _ in range(48)]
+    gate = asyncio.Semaphore(16)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+
+        async def one(tokens: int) -> F.Answer:
+            async with gate:
+                return await F.send(s, router.url, tokens, "chat", max_new=32)
+
+        chat = list(await asyncio.gather(*(one(t) for t in sizes)))
+    wall = time.monotonic() - t0
+    row = {
+        "ejections": F.breaker_opens(router),
+        "router_retries": await F.router_retries(router),
+        "wall_s": round(wall, 1),
+        "served": sum(1 for a in chat if a.status == 200),
+        "sent": len(chat),
+        "statuses": dict(Counter(str(a.status) for a in chat)),
+        "p50_s": round(sorted(a.seconds for a in chat)[len(chat) // 2], 2),
+    }
+    await f.stop(router)
+    return row
+
+
+async def held_run(repeats: int) -> list[dict[str, Any]]:
+    policy_file = load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as d:
+        async with F.fleet(Path(d)) as f:
+            _, sets = await F.lanes(f, 2, "maxq-old", policy_file, SPEED, sidecars={"default": None})
+            workers = [s.url for s in sets["default"]]
+            for pol in ("round_robin", "least_load"):
+                for label, flags in (("overload veto on (default)", []), ("overload veto off", VETO_OFF)):
+                    for k in range(repeats):
+                        r = await held_case(f, workers, flags, pol, seed=11 + k)
+                        row = {
+                            "router": F.SMG.name,
+                            "lanes": 2,
+                            "policy": pol,
+                            "settings": label,
+                            "repeat": k,
+                        } | r
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+    return rows
+
+
+def held_table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| policy | settings | run | served | answers | ejections | retries | p50 s | wall s |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        answers = ", ".join(f"{k}x{v}" for k, v in r["statuses"].items())
+        out.append(
+            f"| {r['policy']} | {r['settings']} | {r['repeat']} | {r['served']}/{r['sent']} | {answers} | "
+            f"{r['ejections']} | {r['router_retries']} | {r['p50_s']} | {r['wall_s']} |"
+        )
+    return "\n".join(out)
+
+
 async def lanes_run(
     lanes: int, kind: F.RouterKind, flags: list[str], label: str, quick: bool, repeats: int
 ) -> list[dict[str, Any]]:
@@ -111,7 +178,12 @@ async def lanes_run(
     with tempfile.TemporaryDirectory() as d:
         async with F.fleet(Path(d)) as f:
             engines, sets = await F.lanes(
-                f, lanes, "maxq-old", policy_file, SPEED, sidecars={"default": None, "old": OLD_ANSWERS}
+                f,
+                lanes,
+                "maxq-old",
+                policy_file,
+                SPEED,
+                sidecars={"default": None, "old": F.ANSWERS_BEFORE_26},
             )
             new, old = [s.url for s in sets["default"]], [s.url for s in sets["old"]]
             base = {"router": kind.name, "lanes": lanes}
@@ -210,14 +282,30 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two policies, one mixed run, 2 lanes only")
     ap.add_argument("--repeats", type=int, default=3, help="mixed-load runs per setting (default 3)")
+    ap.add_argument("--held", action="store_true", help="only the held-load experiment (veto on / off)")
     args = ap.parse_args()
     started = time.monotonic()
+    out = ROOT / "bench" / "results"
+    if args.held:
+        rows = await held_run(args.repeats)
+        (out / "fleet-routers-held.json").write_text(json.dumps(rows, indent=1) + "\n")
+        md = (
+            "# Held requests and smg's overload veto\n\n"
+            f"`.venv/bin/python bench/fleet_routers.py --held --repeats {args.repeats}` on a 2-core shared "
+            f"machine, {(time.monotonic() - started) / 60:.0f} min: 2 emulated maxq-old lanes (--speed "
+            f"{SPEED:g}), a sidecar in front of each (its defaults: held requests counted in /v1/loads' "
+            "num_waiting_reqs), smg 1.13.0; 48 requests of 20K-40K tokens, 16 at a time. Veto on: smg's "
+            "default (a lane at 8 waiting or KV usage 0.8 leaves the rotation while the other is under); off: "
+            "`--disable-worker-overload-protection`.\n\n" + held_table(rows) + "\n"
+        )
+        (out / "fleet-routers-held.md").write_text(md)
+        print(md)
+        return 0
     rows: list[dict[str, Any]] = []
     for lanes in (2,) if args.quick else (2, 4):
         for kind, label, flags in router_setups():
             rows += await lanes_run(lanes, kind, flags, label, args.quick, args.repeats)
     took = time.monotonic() - started
-    out = ROOT / "bench" / "results"
     (out / "fleet-routers.json").write_text(json.dumps(rows, indent=1) + "\n")
     md = (
         "# The sidecar behind both SGLang routers (smg 1.13.0, sglang-router 0.3.2)\n\n"

@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--router",
         default="round_robin,least_load,fit",
         metavar="RULES",
-        help="routing rules to compare: round_robin, least_load, fit (fit reads the sidecars' signals)",
+        help="routing rules to compare: round_robin, least_load, fit (reads the sidecars' signals), random, hash",
     )
     f.add_argument(
         "--router-flags",

@@ -35,14 +35,19 @@ from sidecar.policy.schema import LoadedPolicy
 from sidecar_emulator.demo import scale_policy
 
 ROUTER_ANSWERS: dict[str, Any] = {
-    # Behind SGLang's router: a request no lane can ever run must not be multiplied by its retries
-    # (408/429/5xx are retried up to 5 more times, each counted as a worker failure): 413, which the
-    # router does not retry and clients do not either. Busy answers stay 503 so it tries another lane.
+    # The README's block for routers before issue 26, now the default (413 for a request no lane can
+    # ever run: not retried; smg counts it a success for its breaker, sglang-router 0.3.2 a failure).
     "unfit_lane": {"status": 413, "retry_after": False, "should_retry": False},
 }
-# The router flags docs/routing.md recommends with the sidecar: admission answers are not worker failures
-# (every non-2xx counts against the breaker in sglang-router 0.3.2), so the breaker is off and a lane
-# whose engine is really gone is ejected by the health check on the sidecar's /readyz instead.
+# What the sidecar answered before issue 26 (unfit and busy both 503): both routers retry a 503 and
+# count it against the lane's breaker, so a burst of unrunnable requests ejects healthy lanes.
+ANSWERS_BEFORE_26: dict[str, Any] = {
+    "unfit_lane": {"status": 503, "retry_after": False, "should_retry": False},
+    "transient": {"status": 503, "retry_after": True, "should_retry": True},
+}
+# The flags sglang-router 0.3.2 needs with the sidecar (docs/routing.md): it counts every non-2xx
+# answer, 413 and 429 included, against its breaker, so the breaker is off and a lane whose engine is
+# really gone is ejected by the health check on the sidecar's /readyz instead. smg needs none.
 RECOMMENDED_ROUTER_FLAGS = [
     "--disable-circuit-breaker",
     "--health-check-endpoint",

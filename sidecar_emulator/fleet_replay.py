@@ -4,17 +4,25 @@ rule, for last night's traffic?" and see what the router's own machinery does wi
 
 Each lane is what ``replay`` runs for one: the engine model, and the same
 :class:`~sidecar.admission.controller.Admission` (the same pure decision) polling that model's published gauges
-and free memory at the policy's intervals. In front, the router as measured (sglang-router 0.3.2 on
-loopback, evidence S19; the model gateway's ``least_load``, evidence S21):
+and free memory at the policy's intervals. In front, one of SGLang's routers as measured (``RouterFlags``:
+``smg`` 1.13.0, the model gateway, evidence F261-F265; ``sglang-router`` 0.3.2, evidence S19, F264):
 
 - **retries** an answer of 408, 429, 500, 502, 503 or 504 (or a dropped connection) on a worker chosen
-  again by the rule, up to ``--retry-max-retries`` (5) more times, backoff 50 ms x1.5 (jitter 0.2, at
-  most 30 s), ignoring ``Retry-After``; the last answer goes to the client;
-- counts **every** non-2xx answer as a failure of that worker's **circuit breaker**: 10 consecutive
-  failures open it for 60 s, then half-open (one failure reopens it, 3 successes close it); with every
-  breaker open (or every worker unhealthy) it answers 503 ``no_available_workers`` itself;
-- **health-checks** each worker (``/health`` every 60 s, 3 failures out, 2 successes back; the sidecar's
-  ``/readyz`` with the recommended flags). Both endpoints fail while the lane's engine is down.
+  again by the rule, ``--retry-max-retries`` (5) attempts in all, the first included; backoff 50 ms
+  x1.5 (jitter 0.2, at most 30 s), ignoring ``Retry-After``; the last answer goes to the client. smg
+  never retries a body over 1 MiB (``--max-buffered-request-bytes``): it streams it to the worker;
+- **circuit breaker**, per worker: 10 consecutive failures open it for 60 s, then half-open (one failure
+  reopens it, 3 successes close it). 0.3.2 counts every non-2xx answer as a failure; smg counts the
+  retryable codes as failures, 429 (``capacity_status_codes``) as nothing, and any other 4xx as a
+  success. With every lane out, smg answers 503 ``no_available_workers`` at once; 0.3.2 first retries
+  through its attempts (~0.4 s);
+- **health checks** (``/health`` every 60 s, 3 failures out, 2 successes back; the sidecar's ``/readyz``
+  with the recommended flags). Both endpoints fail while the lane's engine is down;
+- smg only: ``/v1/loads?include=core,disagg,queues,memory`` polled every 10 s; the **overload veto** (a
+  lane whose last poll shows 8 waiting requests, the sidecar's held ones included, or KV usage 0.8 leaves
+  the rotation while another lane is under both); **stall** (a lane that refused a connection after 2 s
+  without contact is out until a poll reaches it) and **wedge** (4 requests in flight and no answer or
+  token for 3 s, stretched to their prefill time up to 120 s: out until it answers).
 
 A success for the breaker is the first token (the streamed answer's start); a failure after it reaches
 the client as a broken stream and is not retried. The clients are ``replay``'s: they wait
@@ -23,9 +31,12 @@ the client as a broken stream and is not retried. The clients are ``replay``'s: 
 Routing rules:
 
 - ``round_robin``: the next available lane in turn.
+- ``random``: a lane at random (``random``; ``power_of_two`` on equal loads).
+- ``hash``: requests with the same prefix on the same lane while it is a candidate (``cache_aware``,
+  ``consistent_hashing``, ``prefix_hash`` on a shared prefix).
 - ``least_load``: the model gateway's score, ``(waiting uncached tokens + tokens sent since the last
-  poll) / 2000 tok/s + 0.15 s x k/(1-k)`` on KV usage k, from each lane's ``/v1/loads`` polled every
-  second. Behind a sidecar that document has the sidecar's held and in-flight work added
+  poll) / 2000 tok/s + 0.15 s x k/(1-k)`` on KV usage k, from each lane's ``/v1/loads`` as last polled
+  (every 10 s). Behind a sidecar that document has the sidecar's held and in-flight work added
   (``routing.merge_engine_loads``, the same arithmetic as here).
 - ``fit``: the routing signals (``routing.capacity_prompt_tokens``, ``fit_prompt_tokens``,
   ``headroom_bytes``), read at each request as an endpoint picker polling every few ms would. Only
@@ -81,7 +92,9 @@ from sidecar_emulator.scenario import (
 
 RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 RULES = ("round_robin", "least_load", "fit", "random", "hash")
-LOADS_POLL_S = 10.0  # smg's --load-monitor-interval: /v1/loads?include=core,disagg,queues,memory (F1)
+LOADS_POLL_S = (
+    10.0  # smg's --load-monitor-interval: /v1/loads?include=core,disagg,queues,memory (evidence F261)
+)
 LEAST_LOAD_THROUGHPUT = 2000.0  # its default tokens/s when a worker reports none
 LEAST_LOAD_KV_WEIGHT = 0.15  # its KV-pressure weight, seconds
 WEDGE_MAX_S = 120.0  # smg: the wedge bound stretches to in-flight prefill time, up to 120 s
@@ -93,7 +106,7 @@ WEDGE_DEPTH = 4  # smg: an in-flight pile four deep (with no token) counts as we
 
 @dataclass(frozen=True)
 class RouterFlags:
-    """The router's flags this model follows; defaults are sglang-router 0.3.2's (evidence S19, F1).
+    """The router's flags this model follows; defaults are sglang-router 0.3.2's (evidence S19, F262-F264).
 
     ``attempts`` is ``--retry-max-retries``: attempts in all, the first included (both routers: 5 means
     one try and 4 retries). ``router`` says whose rules classify an answer for the breaker:
@@ -203,7 +216,7 @@ class RouterFlags:
 
 ROUTER_DEFAULTS = RouterFlags("sglang-router 0.3.2 defaults")
 ROUTER_RECOMMENDED = RouterFlags.from_args("sglang-router 0.3.2, recommended flags", RECOMMENDED_ROUTER_FLAGS)
-# smg 1.13.0 at its defaults (its --help and source, measured live: docs/routing.md, evidence F1-F3).
+# smg 1.13.0 at its defaults (its --help and source, measured live: docs/routing.md, evidence F261-F264).
 SMG_DEFAULTS = RouterFlags(
     "smg defaults",
     router="smg",

@@ -15,7 +15,7 @@ import pytest
 
 from sidecar import cli
 from sidecar.policy.schema import LoadedPolicy, Policy
-from sidecar_emulator.fleet import RECOMMENDED_ROUTER_FLAGS
+from sidecar_emulator.fleet import ANSWERS_BEFORE_26, RECOMMENDED_ROUTER_FLAGS
 from sidecar_emulator.fleet_replay import (
     ROUTER_DEFAULTS,
     ROUTER_RECOMMENDED,
@@ -59,10 +59,7 @@ def with_answers(loaded: LoadedPolicy, answers: dict) -> LoadedPolicy:  # type: 
 
 
 # What the sidecar answered before issue 26: unfit and busy both 503.
-BEFORE_26 = {
-    "unfit_lane": {"status": 503, "retry_after": False, "should_retry": False},
-    "transient": {"status": 503, "retry_after": True, "should_retry": True},
-}
+BEFORE_26 = ANSWERS_BEFORE_26
 UNFIT_429 = {"unfit_lane": {"status": 429, "retry_after": False, "should_retry": False}}
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from sidecar.policy.schema import LoadedPolicy, Policy
-from sidecar_emulator.fleet import RECOMMENDED_ROUTER_FLAGS
+from sidecar_emulator.fleet import ANSWERS_BEFORE_26, RECOMMENDED_ROUTER_FLAGS
 from sidecar_emulator.fleet_replay import (
     ROUTER_DEFAULTS,
     SMG_DEFAULTS,
@@ -43,10 +43,7 @@ RULE_OF = {
     "consistent_hashing": "hash",
     "prefix_hash": "hash",
 }
-BEFORE_26 = {
-    "unfit_lane": {"status": 503, "retry_after": False, "should_retry": False},
-    "transient": {"status": 503, "retry_after": True, "should_retry": True},
-}
+BEFORE_26 = ANSWERS_BEFORE_26
 
 
 def flags_of(row: dict[str, Any]) -> RouterFlags:
