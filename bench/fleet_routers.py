@@ -57,6 +57,13 @@ def router_setups() -> list[tuple[F.RouterKind, str, list[str]]]:
     return [(F.SMG, "defaults", []), (F.SGLANG_ROUTER, "documented flags", F.RECOMMENDED_ROUTER_FLAGS)]
 
 
+def health_out(router: F.Proc, answers: list[F.Answer]) -> bool:
+    """Lanes out of the rotation with no breaker opened: the router's own "no available workers" with
+    its breaker closed (or off) means its health check took them out (the sidecar's /readyz failing:
+    its signals' age past the policy's max, 0.25 s at --speed 20, on a starved machine)."""
+    return F.breaker_opens(router) == 0 and any(a.code == "no_available_workers" for a in answers)
+
+
 async def burst_case(
     f: F.Fleet, workers: list[str], kind: F.RouterKind, flags: list[str], policy: str, n_unfit: int
 ) -> dict[str, Any]:
@@ -69,6 +76,7 @@ async def burst_case(
         "ejections": F.breaker_opens(router),
         "router_retries": await F.router_retries(router),
         "wall_s": round(wall, 1),
+        "health_out": health_out(router, answers),
         **F.summarize(answers),
     }
     await f.stop(router)
@@ -93,23 +101,38 @@ async def mixed_case(
         "chat_served": sum(1 for a, _ in chat if a.status == 200),
         "chat_sent": len(chat),
         "chat_statuses": dict(Counter(str(a.status) for a, _ in chat)),
+        "health_out": health_out(router, [a for a, _ in chat] + unfit + small),
         **F.summarize(unfit + small),
     }
     await f.stop(router)
     return row
 
 
+def holds(sidecars: list[F.Proc]) -> int:
+    """Hold decisions in the sidecars' decision logs so far (each request held at least once)."""
+    n = 0
+    for s in sidecars:
+        path = s.log.with_name(s.name + ".decisions.jsonl")
+        if path.exists():
+            n += sum(
+                1 for line in path.read_text().splitlines() if '"decision":"hold"' in line.replace(" ", "")
+            )
+    return n
+
+
 async def held_case(
-    f: F.Fleet, workers: list[str], flags: list[str], policy: str, seed: int
+    f: F.Fleet, sidecars: list[F.Proc], flags: list[str], policy: str, seed: int
 ) -> dict[str, Any]:
-    """Enough long prompts at once that the sidecars hold some (16 at a time, 20K-40K tokens): does
+    """Enough long prompts at once that the sidecars hold many (32 at a time, 40K-80K tokens): does
     counting the held in /v1/loads (smg's overload veto at 8 waiting) help or hurt?"""
+    workers = [s.url for s in sidecars]
+    held_before = holds(sidecars)
     router = await f.router("router", workers, flags, kind=F.SMG, policy=policy)
     await F.wait_ready(router, "/health")
     t0 = time.monotonic()
     rng = random.Random(seed)
-    sizes = [rng.randint(20_000, 40_000) for _ in range(48)]
-    gate = asyncio.Semaphore(16)
+    sizes = [rng.randint(40_000, 80_000) for _ in range(64)]
+    gate = asyncio.Semaphore(32)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
 
         async def one(tokens: int) -> F.Answer:
@@ -122,6 +145,7 @@ async def held_case(
         "ejections": F.breaker_opens(router),
         "router_retries": await F.router_retries(router),
         "wall_s": round(wall, 1),
+        "held": holds(sidecars) - held_before,
         "served": sum(1 for a in chat if a.status == 200),
         "sent": len(chat),
         "statuses": dict(Counter(str(a.status) for a in chat)),
@@ -137,11 +161,10 @@ async def held_run(repeats: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as d:
         async with F.fleet(Path(d)) as f:
             _, sets = await F.lanes(f, 2, "maxq-old", policy_file, SPEED, sidecars={"default": None})
-            workers = [s.url for s in sets["default"]]
             for pol in ("round_robin", "least_load"):
                 for label, flags in (("overload veto on (default)", []), ("overload veto off", VETO_OFF)):
                     for k in range(repeats):
-                        r = await held_case(f, workers, flags, pol, seed=11 + k)
+                        r = await held_case(f, sets["default"], flags, pol, seed=11 + k)
                         row = {
                             "router": F.SMG.name,
                             "lanes": 2,
@@ -156,13 +179,13 @@ async def held_run(repeats: int) -> list[dict[str, Any]]:
 
 def held_table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| policy | settings | run | served | answers | ejections | retries | p50 s | wall s |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|",
+        "| policy | settings | run | holds | served | answers | ejections | retries | p50 s | wall s |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         answers = ", ".join(f"{k}x{v}" for k, v in r["statuses"].items())
         out.append(
-            f"| {r['policy']} | {r['settings']} | {r['repeat']} | {r['served']}/{r['sent']} | {answers} | "
+            f"| {r['policy']} | {r['settings']} | {r['repeat']} | {r['held']} | {r['served']}/{r['sent']} | {answers} | "
             f"{r['ejections']} | {r['router_retries']} | {r['p50_s']} | {r['wall_s']} |"
         )
     return "\n".join(out)
@@ -240,17 +263,18 @@ async def lanes_run(
 
 def table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| router | settings | sidecar answers | lanes | policy | unfit | ejections | small served | retries "
-        "| unfit answered | wall s |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|---|---:|",
+        "| draw | router | settings | sidecar answers | lanes | policy | unfit | ejections | health out "
+        "| small served | retries | unfit answered | wall s |",
+        "|---:|---|---|---|---:|---|---:|---:|---|---:|---:|---|---:|",
     ]
     for r in rows:
         if r["case"] != "burst":
             continue
         unfit = ", ".join(f"{k}x{v}" for k, v in r["unfit_statuses"].items())
         out.append(
-            f"| {r['router']} | {r['settings']} | {r['answers']} | {r['lanes']} | {r['policy']} | "
-            f"{r['n_unfit']} | {r['ejections']} | {r['small_served']}/{r['small_sent']} | "
+            f"| {r.get('draw', 1)} | {r['router']} | {r['settings']} | {r['answers']} | {r['lanes']} | "
+            f"{r['policy']} | {r['n_unfit']} | {r['ejections']} | {'yes' if r.get('health_out') else '-'} | "
+            f"{r['small_served']}/{r['small_sent']} | "
             f"{r['router_retries']} | {unfit} | {r['wall_s']} |"
         )
     return "\n".join(out)
@@ -263,19 +287,52 @@ def mixed_table(rows: list[dict[str, Any]]) -> str:
         if r["case"] == "mixed":
             groups.setdefault((r["router"], r["settings"]), []).append(r)
     out = [
-        "| router | settings | runs | runs with a lane ejected | chat served (each run) | small served "
-        "(each run) | retries (each run) |",
-        "|---|---|---:|---:|---|---|---|",
+        "| router | settings | runs | runs with a lane ejected | runs with lanes out by health check "
+        "| chat served (each run) | small served (each run) | retries (each run) |",
+        "|---|---|---:|---:|---:|---|---|---|",
     ]
     for (router, settings), rs in groups.items():
         ejected = sum(1 for r in rs if r["ejections"] > 0)
+        health = sum(1 for r in rs if r.get("health_out"))
         chat = ", ".join(f"{r['chat_served']}/{r['chat_sent']}" for r in rs)
         small = ", ".join(f"{r['small_served']}/{r['small_sent']}" for r in rs)
         retries = ", ".join(str(r["router_retries"]) for r in rs)
         out.append(
-            f"| {router} | {settings} | {len(rs)} | {ejected} of {len(rs)} | {chat} | {small} | {retries} |"
+            f"| {router} | {settings} | {len(rs)} | {ejected} of {len(rs)} | {health} of {len(rs)} | {chat} "
+            f"| {small} | {retries} |"
         )
     return "\n".join(out)
+
+
+def old_runs(out: Path) -> list[str]:
+    path = out / "fleet-routers.runs.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def write_report(out: Path, rows: list[dict[str, Any]], runs: list[str]) -> None:
+    """``fleet-routers.md`` from every draw's rows, and the list of the runs that made them."""
+    (out / "fleet-routers.runs.json").write_text(json.dumps(runs, indent=1) + "\n")
+    md = (
+        "# The sidecar behind both SGLang routers (smg 1.13.0, sglang-router 0.3.2)\n\n"
+        "Runs, on a 2-core machine shared with other work (each a new draw; earlier draws kept):\n\n"
+        + "".join(f"- {r}\n" for r in runs)
+        + f"\nEmulated maxq-old lanes at --speed {SPEED:g}, a sidecar in front of each; {UNFIT_TOKENS:,}-token "
+        "requests no lane can run (compact input_ids, 0.86 MiB: under smg's 1 MiB retry cut), 8 at a time, "
+        "then 10 small requests. Sidecar defaults: unfit 413, busy 429 + Retry-After, engine gone 503. "
+        "0.3.2's documented flags: `"
+        + " ".join(F.RECOMMENDED_ROUTER_FLAGS)
+        + "`. Ejections: the router's breaker transitions closed -> open (its own log). Health out: lanes "
+        "left the rotation with no breaker open (the router's own no_available_workers): its health check "
+        "on the sidecar's /readyz, which fails when the signals are older than the policy's max age (0.25 s "
+        "at --speed 20), as on a starved machine.\n\n"
+        "## Bursts\n\n"
+        + table(rows)
+        + "\n\n## Mixed load (burst during 40 chat requests, 2 lanes, round robin)\n\n"
+        + mixed_table(rows)
+        + "\n"
+    )
+    (out / "fleet-routers.md").write_text(md)
+    print(md)
 
 
 async def main() -> int:
@@ -283,6 +340,10 @@ async def main() -> int:
     ap.add_argument("--quick", action="store_true", help="two policies, one mixed run, 2 lanes only")
     ap.add_argument("--repeats", type=int, default=3, help="mixed-load runs per setting (default 3)")
     ap.add_argument("--held", action="store_true", help="only the held-load experiment (veto on / off)")
+    ap.add_argument("--only", choices=["smg", "sglang-router"], help="one router only")
+    ap.add_argument("--lanes", type=int, choices=[2, 4], help="one lane count only")
+    ap.add_argument("--append", action="store_true", help="add this run's rows as a new draw to the results")
+    ap.add_argument("--report", action="store_true", help="only rewrite fleet-routers.md from the JSON")
     args = ap.parse_args()
     started = time.monotonic()
     out = ROOT / "bench" / "results"
@@ -294,36 +355,31 @@ async def main() -> int:
             f"`.venv/bin/python bench/fleet_routers.py --held --repeats {args.repeats}` on a 2-core shared "
             f"machine, {(time.monotonic() - started) / 60:.0f} min: 2 emulated maxq-old lanes (--speed "
             f"{SPEED:g}), a sidecar in front of each (its defaults: held requests counted in /v1/loads' "
-            "num_waiting_reqs), smg 1.13.0; 48 requests of 20K-40K tokens, 16 at a time. Veto on: smg's "
+            "num_waiting_reqs), smg 1.13.0; 64 requests of 40K-80K tokens, 32 at a time (holds: the sidecars' hold decisions). Veto on: smg's "
             "default (a lane at 8 waiting or KV usage 0.8 leaves the rotation while the other is under); off: "
             "`--disable-worker-overload-protection`.\n\n" + held_table(rows) + "\n"
         )
         (out / "fleet-routers-held.md").write_text(md)
         print(md)
         return 0
+    if args.report:
+        write_report(out, json.loads((out / "fleet-routers.json").read_text()), old_runs(out))
+        return 0
+    old: list[dict[str, Any]] = []
+    if args.append:
+        old = json.loads((out / "fleet-routers.json").read_text())
+    draw = 1 + max((r.get("draw", 1) for r in old), default=0)
     rows: list[dict[str, Any]] = []
-    for lanes in (2,) if args.quick else (2, 4):
+    for lanes in [args.lanes] if args.lanes else (2,) if args.quick else (2, 4):
         for kind, label, flags in router_setups():
-            rows += await lanes_run(lanes, kind, flags, label, args.quick, args.repeats)
+            if args.only is None or F.ROUTER_KINDS[args.only] is kind:
+                rows += await lanes_run(lanes, kind, flags, label, args.quick, args.repeats)
     took = time.monotonic() - started
+    rows = old + [r | {"draw": draw} for r in rows]
     (out / "fleet-routers.json").write_text(json.dumps(rows, indent=1) + "\n")
-    md = (
-        "# The sidecar behind both SGLang routers (smg 1.13.0, sglang-router 0.3.2)\n\n"
-        f"`.venv/bin/python bench/fleet_routers.py{' --quick' if args.quick else ''} --repeats "
-        f"{args.repeats}` on a 2-core shared machine, {took / 60:.0f} min. Emulated maxq-old lanes at "
-        f"--speed {SPEED:g}, a sidecar in front of each; {UNFIT_TOKENS:,}-token requests no lane can run "
-        "(compact input_ids, 0.86 MiB: under smg's 1 MiB retry cut), 8 at a time, then 10 small requests. "
-        "Sidecar defaults: unfit 413, busy 429 + Retry-After, engine gone 503. 0.3.2's documented flags: `"
-        + " ".join(F.RECOMMENDED_ROUTER_FLAGS)
-        + "`. Ejections: the router's breaker transitions closed -> open (its own log).\n\n"
-        "## Bursts\n\n"
-        + table(rows)
-        + "\n\n## Mixed load (burst during 40 chat requests, 2 lanes, round robin)\n\n"
-        + mixed_table(rows)
-        + "\n"
-    )
-    (out / "fleet-routers.md").write_text(md)
-    print(md)
+    this = f"`.venv/bin/python bench/fleet_routers.py {' '.join(sys.argv[1:])}`: draw {draw}, {took / 60:.0f} min"
+    runs = [*old_runs(out), this]
+    write_report(out, rows, runs)
     return 0
 
 
