@@ -13,7 +13,10 @@ second), engine crashes (seen as /health refusing), client-visible errors among 
 could run (chat + small), the router's retries (its smg_worker_retries_total), lane ejections (its
 breaker's closed -> open transitions), small requests served after the burst.
 
-    .venv/bin/python bench/fleet.py [--lanes 2] [--quick]
+    .venv/bin/python bench/fleet.py [--router smg|sglang-router] [--lanes 2] [--quick]
+
+Both routers with the sidecar's defaults since issue 26, every routing policy, 2 and 4 lanes:
+``bench/fleet_routers.py``.
 """
 
 from __future__ import annotations
@@ -40,13 +43,13 @@ SPEED = 20.0
 UNFIT_TOKENS = 300_000
 
 SETUPS: list[tuple[str, str | None, list[str]]] = [
-    # (label, sidecar answers: None = no sidecars / "default" / "router", router flags)
+    # (label, sidecar answers: None = no sidecars / "default" / "before" (#26), router flags)
     ("router alone", None, []),
     ("router --max-concurrent-requests 4", None, ["--max-concurrent-requests", "4"]),
     ("sidecars (default answers), router defaults", "default", []),
-    ("sidecars (router answers), router defaults", "router", []),
+    ("sidecars (answers before #26: 503), router defaults", "before", []),
     ("sidecars (default answers), recommended flags", "default", F.RECOMMENDED_ROUTER_FLAGS),
-    ("sidecars (router answers), recommended flags", "router", F.RECOMMENDED_ROUTER_FLAGS),
+    ("sidecars (answers before #26: 503), recommended flags", "before", F.RECOMMENDED_ROUTER_FLAGS),
 ]
 
 
@@ -64,17 +67,17 @@ async def chat_load(url: str, n: int, concurrency: int, seed: int) -> list[tuple
 
 
 async def run_setup(
-    label: str, answers: str | None, flags: list[str], lanes: int, quick: bool
+    label: str, answers: str | None, flags: list[str], lanes: int, quick: bool, kind: F.RouterKind
 ) -> dict[str, Any]:
     policy = load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml")
     with tempfile.TemporaryDirectory() as d:
         async with F.fleet(Path(d)) as f:
             sidecars = (
-                None if answers is None else {answers: None if answers == "default" else F.ROUTER_ANSWERS}
+                None if answers is None else {answers: None if answers == "default" else F.ANSWERS_BEFORE_26}
             )
             engines, sets = await F.lanes(f, lanes, "maxq-old", policy, SPEED, sidecars=sidecars)
             workers = [e.url for e in engines] if answers is None else [s.url for s in sets[answers]]
-            router = await f.router("router", workers, flags)
+            router = await f.router("router", workers, flags, kind=kind)
             await F.wait_ready(router, "/health")
             t0 = time.monotonic()
             async with F.CrashWatch(engines) as watch:
@@ -125,25 +128,30 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="20 chat requests instead of 60")
+    ap.add_argument("--router", choices=sorted(F.ROUTER_KINDS), default="sglang-router", help="which router")
     args = ap.parse_args()
     rows = []
     for label, answers, flags in SETUPS:
-        row = await run_setup(label, answers, flags, args.lanes, args.quick)
+        row = await run_setup(label, answers, flags, args.lanes, args.quick, F.ROUTER_KINDS[args.router])
         print(json.dumps(row), flush=True)
         rows.append(row)
     text = table(rows)
     print(text)
     out = ROOT / "bench" / "results"
-    (out / "fleet.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "fleet.md").write_text(
-        f"# Lanes behind SGLang's router (sglang-router 0.3.2)\n\n`.venv/bin/python bench/fleet.py "
-        f"--lanes {args.lanes}{' --quick' if args.quick else ''}` on a 2-core machine; {args.lanes} emulated "
+    name = "fleet" if args.router == "sglang-router" else f"fleet-{args.router}"
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / f"{name}.md").write_text(
+        f"# Lanes behind SGLang's router ({F.ROUTER_KINDS[args.router].name})\n\n`.venv/bin/python "
+        f"bench/fleet.py --router {args.router} --lanes {args.lanes}{' --quick' if args.quick else ''}` on a "
+        f"2-core machine; {args.lanes} emulated "
         f"maxq-old lanes at --speed {SPEED:g}; 16 x {UNFIT_TOKENS:,}-token requests no lane can run (8 at a "
         "time) during a chat load of 1K-40K-token requests (6 at a time), then 10 small requests. "
-        "Recommended flags: `" + " ".join(F.RECOMMENDED_ROUTER_FLAGS) + "`; router answers: "
-        "`answers: {unfit_lane: {status: 413}}`.\n\n" + text + "\n"
+        "Recommended flags: `" + " ".join(F.RECOMMENDED_ROUTER_FLAGS) + "`; answers before #26: "
+        "unfit and busy both 503 (`sidecar_emulator.fleet.ANSWERS_BEFORE_26`); default answers: 413 unfit, 429 busy.\n\n"
+        + text
+        + "\n"
     )
-    print(f"wrote {out / 'fleet.md'}")
+    print(f"wrote {out / name}.md")
     return 0
 
 

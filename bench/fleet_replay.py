@@ -84,9 +84,12 @@ def main() -> int:
     md = [
         "# Fleets in virtual time (`bench/fleet_replay.py`)",
         "",
+        f"`.venv/bin/python bench/fleet_replay.py{' --quick' if args.quick else ''}`.",
+        "",
         "`replay --lanes` (sidecar_emulator/fleet_replay.py): lanes of the engine model, each with the sidecar's"
-        " gate or without, behind a model of SGLang's router (retries on 408/429/5xx up to 5, breaker 10"
-        " consecutive failures / 60 s, health checks; evidence S19, S21). Goodput: served tokens over the run's"
+        " gate or without, behind a model of SGLang's routers (408/429/5xx retried, 5 attempts in all; breaker 10"
+        " consecutive failures / 60 s; health checks; smg's breaker classes, retry cut, polls and veto; evidence"
+        " S19, F261-F265). Goodput: served tokens over the run's"
         " own span; makespan: when the last request ended; client errors: answers that were not a completed"
         " stream (a client that retries counts each attempt); ejections: breaker openings plus health-check"
         " ejections; no worker: the router's own 503 with every lane out.",

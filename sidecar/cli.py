@@ -229,13 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--router",
         default="round_robin,least_load,fit",
         metavar="RULES",
-        help="routing rules to compare: round_robin, least_load, fit (fit reads the sidecars' signals)",
+        help="routing rules to compare: round_robin, least_load, fit (reads the sidecars' signals), random, hash",
     )
     f.add_argument(
         "--router-flags",
         choices=["defaults", "recommended", "both"],
         default="both",
-        help="the router at its defaults (breaker on, /health) or with the recommended flags (docs/routing.md)",
+        help="the router at its defaults or with the recommended flags (breaker off, /readyz checks)",
+    )
+    f.add_argument(
+        "--gateway",
+        choices=["smg", "sglang-router", "both"],
+        default="both",
+        help="which router to model: SGLang's model gateway (smg 1.13), sglang-router 0.3.2, or both",
     )
     f.add_argument(
         "--answers",

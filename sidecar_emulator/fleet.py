@@ -35,14 +35,19 @@ from sidecar.policy.schema import LoadedPolicy
 from sidecar_emulator.demo import scale_policy
 
 ROUTER_ANSWERS: dict[str, Any] = {
-    # Behind SGLang's router: a request no lane can ever run must not be multiplied by its retries
-    # (408/429/5xx are retried up to 5 more times, each counted as a worker failure): 413, which the
-    # router does not retry and clients do not either. Busy answers stay 503 so it tries another lane.
+    # The README's block for routers before issue 26, now the default (413 for a request no lane can
+    # ever run: not retried; smg counts it a success for its breaker, sglang-router 0.3.2 a failure).
     "unfit_lane": {"status": 413, "retry_after": False, "should_retry": False},
 }
-# The router flags docs/routing.md recommends with the sidecar: admission answers are not worker failures
-# (every non-2xx counts against the breaker in sglang-router 0.3.2), so the breaker is off and a lane
-# whose engine is really gone is ejected by the health check on the sidecar's /readyz instead.
+# What the sidecar answered before issue 26 (unfit and busy both 503): both routers retry a 503 and
+# count it against the lane's breaker, so a burst of unrunnable requests ejects healthy lanes.
+ANSWERS_BEFORE_26: dict[str, Any] = {
+    "unfit_lane": {"status": 503, "retry_after": False, "should_retry": False},
+    "transient": {"status": 503, "retry_after": True, "should_retry": True},
+}
+# The flags sglang-router 0.3.2 needs with the sidecar (docs/routing.md): it counts every non-2xx
+# answer, 413 and 429 included, against its breaker, so the breaker is off and a lane whose engine is
+# really gone is ejected by the health check on the sidecar's /readyz instead. smg needs none.
 RECOMMENDED_ROUTER_FLAGS = [
     "--disable-circuit-breaker",
     "--health-check-endpoint",
@@ -52,6 +57,39 @@ RECOMMENDED_ROUTER_FLAGS = [
     "--health-failure-threshold",
     "2",
 ]
+
+
+@dataclass(frozen=True)
+class RouterKind:
+    """One of SGLang's routers as a wheel installs it (pinned in the test extra: what each does with
+    an answer was measured on that version, docs/routing.md)."""
+
+    name: str
+    module: str  # ``python -m <module>`` starts it
+    policies: tuple[str, ...]  # its --policy choices that route a plain request (no PD, no header)
+
+
+# PyPI's last ``sglang-router`` (SGLang's in-tree router before it became the model gateway).
+SGLANG_ROUTER = RouterKind(
+    "sglang-router 0.3.2",
+    "sglang_router.launch_router",
+    ("round_robin", "random", "cache_aware", "power_of_two"),
+)
+# The SGLang model gateway's own package: polls /v1/loads, overload veto on by default.
+SMG = RouterKind(
+    "smg 1.13.0",
+    "smg.launch_router",
+    (
+        "round_robin",
+        "random",
+        "cache_aware",
+        "power_of_two",
+        "least_load",
+        "consistent_hashing",
+        "prefix_hash",
+    ),
+)
+ROUTER_KINDS = {"sglang-router": SGLANG_ROUTER, "smg": SMG}
 BREAKER_OPEN = re.compile(r"Circuit breaker state transition: closed -> open")
 
 
@@ -163,10 +201,19 @@ class Fleet:
         self.procs.append(p)
         return p
 
-    async def router(self, name: str, workers: list[str], flags: list[str]) -> Proc:
+    async def router(
+        self,
+        name: str,
+        workers: list[str],
+        flags: list[str],
+        *,
+        kind: RouterKind | None = None,
+        policy: str = "round_robin",
+    ) -> Proc:
+        kind = kind or SGLANG_ROUTER
         port = free_port()
-        args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
-        args += ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+        args = [sys.executable, "-m", kind.module, "--worker-urls", *workers]
+        args += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
         # Its own metrics listener: a fixed default port would collide between routers.
         mport = free_port()
         args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport), *flags]
@@ -216,6 +263,9 @@ async def lanes(
     return engines, sets
 
 
+JSON_HEADERS = {"content-type": "application/json"}
+
+
 @dataclass
 class Answer:
     kind: str  # "unfit" | "small"
@@ -226,9 +276,11 @@ class Answer:
 
 async def send(s: aiohttp.ClientSession, url: str, tokens: int, kind: str, max_new: int = 8) -> Answer:
     body = {"input_ids": [11] * tokens, "sampling_params": {"max_new_tokens": max_new}, "stream": False}
+    # Compact JSON, 3 bytes a token: 300K tokens stay under smg's 1 MiB retry cut (the hard case).
+    data = json.dumps(body, separators=(",", ":"))
     t = time.monotonic()
     try:
-        async with s.post(url + "/generate", json=body) as r:
+        async with s.post(url + "/generate", data=data, headers=JSON_HEADERS) as r:
             data = await r.read()
             code = None
             with contextlib.suppress(ValueError, AttributeError, TypeError):

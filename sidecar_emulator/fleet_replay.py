@@ -4,17 +4,25 @@ rule, for last night's traffic?" and see what the router's own machinery does wi
 
 Each lane is what ``replay`` runs for one: the engine model, and the same
 :class:`~sidecar.admission.controller.Admission` (the same pure decision) polling that model's published gauges
-and free memory at the policy's intervals. In front, the router as measured (sglang-router 0.3.2 on
-loopback, evidence S19; the model gateway's ``least_load``, evidence S21):
+and free memory at the policy's intervals. In front, one of SGLang's routers as measured (``RouterFlags``:
+``smg`` 1.13.0, the model gateway, evidence F261-F265; ``sglang-router`` 0.3.2, evidence S19, F264):
 
 - **retries** an answer of 408, 429, 500, 502, 503 or 504 (or a dropped connection) on a worker chosen
-  again by the rule, up to ``--retry-max-retries`` (5) more times, backoff 50 ms x1.5 (jitter 0.2, at
-  most 30 s), ignoring ``Retry-After``; the last answer goes to the client;
-- counts **every** non-2xx answer as a failure of that worker's **circuit breaker**: 10 consecutive
-  failures open it for 60 s, then half-open (one failure reopens it, 3 successes close it); with every
-  breaker open (or every worker unhealthy) it answers 503 ``no_available_workers`` itself;
-- **health-checks** each worker (``/health`` every 60 s, 3 failures out, 2 successes back; the sidecar's
-  ``/readyz`` with the recommended flags). Both endpoints fail while the lane's engine is down.
+  again by the rule, ``--retry-max-retries`` (5) attempts in all, the first included; backoff 50 ms
+  x1.5 (jitter 0.2, at most 30 s), ignoring ``Retry-After``; the last answer goes to the client. smg
+  never retries a body over 1 MiB (``--max-buffered-request-bytes``): it streams it to the worker;
+- **circuit breaker**, per worker: 10 consecutive failures open it for 60 s, then half-open (one failure
+  reopens it, 3 successes close it). 0.3.2 counts every non-2xx answer as a failure; smg counts the
+  retryable codes as failures, 429 (``capacity_status_codes``) as nothing, and any other 4xx as a
+  success. With every lane out, smg answers 503 ``no_available_workers`` at once; 0.3.2 first retries
+  through its attempts (~0.4 s);
+- **health checks** (``/health`` every 60 s, 3 failures out, 2 successes back; the sidecar's ``/readyz``
+  with the recommended flags). Both endpoints fail while the lane's engine is down;
+- smg only: ``/v1/loads?include=core,disagg,queues,memory`` polled every 10 s; the **overload veto** (a
+  lane whose last poll shows 8 waiting requests, the sidecar's held ones included, or KV usage 0.8 leaves
+  the rotation while another lane is under both); **stall** (a lane that refused a connection after 2 s
+  without contact is out until a poll reaches it) and **wedge** (4 requests in flight and no answer or
+  token for 3 s, stretched to their prefill time up to 120 s: out until it answers).
 
 A success for the breaker is the first token (the streamed answer's start); a failure after it reaches
 the client as a broken stream and is not retried. The clients are ``replay``'s: they wait
@@ -23,9 +31,12 @@ the client as a broken stream and is not retried. The clients are ``replay``'s: 
 Routing rules:
 
 - ``round_robin``: the next available lane in turn.
+- ``random``: a lane at random (``random``; ``power_of_two`` on equal loads).
+- ``hash``: requests with the same prefix on the same lane while it is a candidate (``cache_aware``,
+  ``consistent_hashing``, ``prefix_hash`` on a shared prefix).
 - ``least_load``: the model gateway's score, ``(waiting uncached tokens + tokens sent since the last
-  poll) / 2000 tok/s + 0.15 s x k/(1-k)`` on KV usage k, from each lane's ``/v1/loads`` polled every
-  second. Behind a sidecar that document has the sidecar's held and in-flight work added
+  poll) / 2000 tok/s + 0.15 s x k/(1-k)`` on KV usage k, from each lane's ``/v1/loads`` as last polled
+  (every 10 s). Behind a sidecar that document has the sidecar's held and in-flight work added
   (``routing.merge_engine_loads``, the same arithmetic as here).
 - ``fit``: the routing signals (``routing.capacity_prompt_tokens``, ``fit_prompt_tokens``,
   ``headroom_bytes``), read at each request as an endpoint picker polling every few ms would. Only
@@ -80,10 +91,14 @@ from sidecar_emulator.scenario import (
 )
 
 RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
-RULES = ("round_robin", "least_load", "fit")
-LOADS_POLL_S = 1.0  # the model gateway's /v1/loads fallback interval (evidence S21)
+RULES = ("round_robin", "least_load", "fit", "random", "hash")
+LOADS_POLL_S = (
+    10.0  # smg's --load-monitor-interval: /v1/loads?include=core,disagg,queues,memory (evidence F261)
+)
 LEAST_LOAD_THROUGHPUT = 2000.0  # its default tokens/s when a worker reports none
 LEAST_LOAD_KV_WEIGHT = 0.15  # its KV-pressure weight, seconds
+WEDGE_MAX_S = 120.0  # smg: the wedge bound stretches to in-flight prefill time, up to 120 s
+WEDGE_DEPTH = 4  # smg: an in-flight pile four deep (with no token) counts as wedged
 
 
 # -- the router as measured ---------------------------------------------------------------------------
@@ -91,10 +106,24 @@ LEAST_LOAD_KV_WEIGHT = 0.15  # its KV-pressure weight, seconds
 
 @dataclass(frozen=True)
 class RouterFlags:
-    """The router's flags this model follows; defaults are sglang-router 0.3.2's (evidence S19)."""
+    """The router's flags this model follows; defaults are sglang-router 0.3.2's (evidence S19, F262-F264).
+
+    ``attempts`` is ``--retry-max-retries``: attempts in all, the first included (both routers: 5 means
+    one try and 4 retries). ``router`` says whose rules classify an answer for the breaker:
+    ``sglang-router`` counts every non-2xx as a failure; ``smg`` counts the retryable codes (408, 429,
+    5xx) as failures, ``capacity_codes`` (429) as neither, any other answer (a 4xx) as a success.
+    The rest are smg's alone (None: not that router's): no retry of a body over ``retry_cut_bytes``;
+    ``/v1/loads`` polled every ``loads_poll_s``; the overload veto (a lane at ``overload_waiting``
+    waiting requests or ``overload_usage`` KV usage leaves the rotation while another is under both);
+    stall (a lane that refused a connection and was not heard from for ``stall_s`` is out until a poll
+    reaches it) and wedge (``WEDGE_DEPTH`` requests in flight and no answer for ``wedge_s``: out until
+    one comes). ``retry_no_worker``: with every lane out, 0.3.2 keeps retrying through its attempts
+    (~0.4 s) before its own 503; smg answers at once.
+    """
 
     name: str
-    retries: int = 5
+    router: str = "sglang-router"
+    attempts: int = 5
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 30.0
     backoff_multiplier: float = 1.5
@@ -107,12 +136,35 @@ class RouterFlags:
     health_interval_s: float = 60.0
     health_failure_threshold: int = 3
     health_success_threshold: int = 2
+    capacity_codes: frozenset[int] = frozenset()
+    retry_cut_bytes: int | None = None
+    loads_poll_s: float = LOADS_POLL_S
+    overload_waiting: int | None = None
+    overload_usage: float | None = None
+    stall_s: float | None = None
+    wedge_s: float | None = None
+    retry_no_worker: bool = True
+
+    def breaker_outcome(self, status: int) -> bool | None:
+        """What the breaker records for an answer: success, failure, or nothing (smg's capacity codes)."""
+        if 200 <= status < 300:
+            return True
+        if self.router != "smg":
+            return False
+        if status in self.capacity_codes:
+            return None
+        return status not in RETRYABLE
 
     @classmethod
-    def from_args(cls, name: str, args: Sequence[str]) -> RouterFlags:
-        """The flags as written on the router's command line (docs/routing.md's recommended list)."""
+    def from_args(cls, name: str, args: Sequence[str], base: RouterFlags | None = None) -> RouterFlags:
+        """The flags as written on the router's command line, over ``base`` (0.3.2's defaults)."""
+        switches = {
+            "--disable-circuit-breaker": {"breaker": False},
+            "--disable-retries": {"attempts": 1},
+            "--disable-worker-overload-protection": {"overload_waiting": None, "overload_usage": None},
+        }
         names = {
-            "--retry-max-retries": ("retries", int),
+            "--retry-max-retries": ("attempts", int),
             "--cb-failure-threshold": ("cb_failure_threshold", int),
             "--cb-success-threshold": ("cb_success_threshold", int),
             "--cb-timeout-duration-secs": ("cb_timeout_s", float),
@@ -120,11 +172,17 @@ class RouterFlags:
             "--health-check-interval-secs": ("health_interval_s", float),
             "--health-failure-threshold": ("health_failure_threshold", int),
             "--health-success-threshold": ("health_success_threshold", int),
+            "--load-monitor-interval": ("loads_poll_s", float),
+            "--worker-overload-waiting-requests": ("overload_waiting", int),
+            "--worker-overload-token-usage": ("overload_usage", float),
+            "--worker-stall-secs": ("stall_s", float),
+            "--worker-wedge-secs": ("wedge_s", float),
+            "--max-buffered-request-bytes": ("retry_cut_bytes", int),
         }
-        flags, i = cls(name), 0
+        flags, i = replace(base or cls(name), name=name), 0
         while i < len(args):
-            if args[i] == "--disable-circuit-breaker":
-                flags, i = replace(flags, breaker=False), i + 1
+            if args[i] in switches:
+                flags, i = replace(flags, **switches[args[i]]), i + 1  # type: ignore[arg-type]
                 continue
             if args[i] not in names or i + 1 >= len(args):
                 raise ValueError(f"router flag {args[i]!r} is not modelled")
@@ -132,13 +190,45 @@ class RouterFlags:
             flags, i = replace(flags, **{attr: kind(args[i + 1])}), i + 2
         return flags
 
+    def slowed(self, speed: float) -> RouterFlags:
+        """The router's clocks as an emulator running ``speed`` times fast sees them (a live fleet at
+        ``--speed 20``: the breaker's 60 s is 1,200 of the engine's seconds)."""
+        s = speed
+
+        def mul(v: float | None) -> float | None:
+            return None if v is None else v * s
+
+        return replace(
+            self,
+            backoff_initial_s=self.backoff_initial_s * s,
+            backoff_max_s=self.backoff_max_s * s,
+            cb_timeout_s=self.cb_timeout_s * s,
+            health_interval_s=self.health_interval_s * s,
+            loads_poll_s=self.loads_poll_s * s,
+            stall_s=mul(self.stall_s),
+            wedge_s=mul(self.wedge_s),
+        )
+
     def backoff_s(self, retry: int, rng: random.Random) -> float:
         base = min(self.backoff_max_s, self.backoff_initial_s * self.backoff_multiplier**retry)
         return base * (1 + self.jitter * (2 * rng.random() - 1))
 
 
-ROUTER_DEFAULTS = RouterFlags("router defaults")
-ROUTER_RECOMMENDED = RouterFlags.from_args("recommended flags", RECOMMENDED_ROUTER_FLAGS)
+ROUTER_DEFAULTS = RouterFlags("sglang-router 0.3.2 defaults")
+ROUTER_RECOMMENDED = RouterFlags.from_args("sglang-router 0.3.2, recommended flags", RECOMMENDED_ROUTER_FLAGS)
+# smg 1.13.0 at its defaults (its --help and source, measured live: docs/routing.md, evidence F261-F264).
+SMG_DEFAULTS = RouterFlags(
+    "smg defaults",
+    router="smg",
+    capacity_codes=frozenset({429}),
+    retry_cut_bytes=1 << 20,
+    overload_waiting=8,
+    overload_usage=0.8,
+    stall_s=2.0,
+    wedge_s=3.0,
+    retry_no_worker=False,
+)
+SMG_RECOMMENDED = RouterFlags.from_args("smg, recommended flags", RECOMMENDED_ROUTER_FLAGS, SMG_DEFAULTS)
 
 
 class Breaker:
@@ -151,6 +241,7 @@ class Breaker:
         self.successes = 0
         self.opened_at = 0.0
         self.opens = 0
+        self.ejections = 0  # closed -> open: what the live runs count from the router's log
 
     def can_execute(self, now: float) -> bool:
         if not self.flags.breaker:
@@ -159,8 +250,8 @@ class Breaker:
             self.state, self.successes = "half_open", 0
         return self.state != "open"
 
-    def record(self, ok: bool, now: float) -> None:
-        if not self.flags.breaker:
+    def record(self, ok: bool | None, now: float) -> None:
+        if not self.flags.breaker or ok is None:
             return
         if ok:
             self.failures = 0
@@ -173,6 +264,7 @@ class Breaker:
         if self.state == "half_open" or (
             self.state == "closed" and self.failures >= self.flags.cb_failure_threshold
         ):
+            self.ejections += self.state == "closed"
             self.state, self.opened_at, self.failures = "open", now, 0
             self.opens += 1
 
@@ -211,7 +303,7 @@ class LaneSetup:
 
 @dataclass(eq=False)
 class Try:
-    """One forwarding of a client's request by the router: a request takes up to 1 + retries."""
+    """One forwarding of a client's request by the router: a request takes up to ``attempts``."""
 
     attempt: Attempt
     lane: Lane
@@ -238,13 +330,36 @@ class Lane:
         self.health_oks = 0
         self.health_ejections = 0
         self.in_flight = 0  # the router's own count of requests it has on this lane
-        self.loads: tuple[int, float] | None = None  # /v1/loads as last polled: waiting tokens, usage
+        # /v1/loads as last polled: waiting uncached tokens, KV usage, waiting requests
+        self.loads: tuple[int, float, int] | None = None
         self.sent_since_poll = 0
+        self.in_flight_tokens = 0
+        self.last_progress = 0.0  # the router last heard an answer or a token from this lane
+        self.stalled = False  # smg: a refused connection after stall_s of silence; out until polled
         self.crashes: list[dict[str, Any]] = []
         self.completed = 0
 
     def available(self, now: float) -> bool:
-        return self.healthy and self.breaker.can_execute(now)
+        return self.healthy and not self.stalled and self.breaker.can_execute(now)
+
+    def overloaded(self) -> bool:
+        """smg's overload veto, on the last poll (held requests count: the sidecar adds them)."""
+        f = self.driver.flags
+        if self.loads is None:
+            return False
+        _, usage, waiting = self.loads
+        return (f.overload_waiting is not None and waiting >= f.overload_waiting) or (
+            f.overload_usage is not None and usage >= f.overload_usage
+        )
+
+    def wedged(self, now: float) -> bool:
+        """smg's wedge check: a pile of requests in flight and no answer or token for the bound, which
+        stretches to the prefill time of what is in flight (at the default throughput), up to 120 s."""
+        f = self.driver.flags
+        if f.wedge_s is None or self.in_flight < WEDGE_DEPTH:
+            return False
+        bound = min(WEDGE_MAX_S, max(f.wedge_s, self.in_flight_tokens / LEAST_LOAD_THROUGHPUT))
+        return now - self.last_progress >= bound
 
     # -- what the router polls --------------------------------------------------------------------
 
@@ -252,21 +367,24 @@ class Lane:
         """The lane's /v1/loads as the gateway reads it: the engine's published view, plus the
         sidecar's held and in-flight work when there is one (what it serves on the data port)."""
         t = self.driver.t
-        if not self.engine.up:
-            self.loads = None
+        if not self.engine.up and self.admission is None:
+            self.loads = None  # refused: nothing heard
+        elif not self.engine.up:
+            self.loads, self.stalled = None, False  # the sidecar answered (its 502): contact
         else:
             e = engine_signals(self.engine, t)
             waiting, pending = e.queue_requests or 0, e.pending_prefill_tokens or 0
             if self.admission is not None:
-                pending += inflight_extra(self.admission, waiting, pending)[1]
-            self.loads = (pending, e.full_token_usage or 0.0)
+                more_reqs, more_tokens = inflight_extra(self.admission, waiting, pending)
+                waiting, pending = waiting + more_reqs, pending + more_tokens
+            self.loads, self.stalled = (pending, e.full_token_usage or 0.0, waiting), False
         self.sent_since_poll = 0
-        self.driver.at(t + LOADS_POLL_S, self.poll_loads, True)
+        self.driver.at(t + self.driver.flags.loads_poll_s, self.poll_loads, True)
 
     def least_load_score(self) -> float:
         if self.loads is None:  # no fresh report: the router's in-flight at a mean prefill
             return self.in_flight * 1024 / LEAST_LOAD_THROUGHPUT
-        waiting, k = self.loads
+        waiting, k, _ = self.loads
         k = min(max(k, 0.0), 0.999)
         return (waiting + self.sent_since_poll) / LEAST_LOAD_THROUGHPUT + LEAST_LOAD_KV_WEIGHT * k / (1 - k)
 
@@ -328,6 +446,31 @@ class RoundRobin(Rule):
         return lane
 
 
+class Random(Rule):
+    name = "random"
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)  # its own: the clients' draws stay what they were
+
+    def pick(self, driver: FleetDriver, a: Attempt, lanes: list[Lane]) -> Lane:
+        return self.rng.choice(lanes)
+
+
+class PrefixHash(Rule):
+    """The hashing rules (``consistent_hashing``, ``prefix_hash``, ``cache_aware`` on a shared prefix):
+    requests with the same prefix go to the same lane while it is a candidate, the next one on the ring
+    otherwise."""
+
+    name = "hash"
+
+    def pick(self, driver: FleetDriver, a: Attempt, lanes: list[Lane]) -> Lane:
+        ring = driver.lanes
+        start = sum((a.prefix or "").encode()) % len(ring)
+        return next(
+            ring[(start + k) % len(ring)] for k in range(len(ring)) if ring[(start + k) % len(ring)] in lanes
+        )
+
+
 class LeastLoad(Rule):
     name = "least_load"
 
@@ -367,7 +510,14 @@ class FitAware(Rule):
 
 
 def make_rule(name: str) -> Rule:
-    return {"round_robin": RoundRobin, "least_load": LeastLoad, "fit": FitAware}[name]()
+    rules: dict[str, type[Rule]] = {
+        "round_robin": RoundRobin,
+        "least_load": LeastLoad,
+        "fit": FitAware,
+        "random": Random,
+        "hash": PrefixHash,
+    }
+    return rules[name]()
 
 
 # -- the driver ---------------------------------------------------------------------------------------
@@ -385,10 +535,13 @@ class FleetDriver(VirtualLoop):
         rule: str,
         flags: RouterFlags,
         seed: int,
+        body_bytes_per_token: float = 4.0,
     ) -> None:
         super().__init__()
         self.scenario = scenario
         self.flags = flags
+        # A request body's size, for smg's retry cut: ~4 bytes a token of text; 3 for compact input_ids.
+        self.body_bytes_per_token = body_bytes_per_token
         self.rng = random.Random(seed)
         self.router_rng = random.Random(seed + 1)
         self.gated = gated
@@ -408,9 +561,22 @@ class FleetDriver(VirtualLoop):
         self.records[a.rid] = RequestRecord(a.rid, self.t, a.prompt_tokens)
         self._route(a, 0)
 
-    def _route(self, a: Attempt, n: int) -> None:
+    def candidates(self) -> list[Lane]:
+        """The lanes the rule may pick: available (healthy, breaker, not stalled); then smg leaves out
+        the wedged and the overloaded while any other lane is left."""
         lanes = [lane for lane in self.lanes if lane.available(self.t)]
+        for out in (lambda lane: lane.wedged(self.t), Lane.overloaded):
+            kept = [lane for lane in lanes if not out(lane)]
+            lanes = kept or lanes
+        return lanes
+
+    def _route(self, a: Attempt, n: int) -> None:
+        lanes = self.candidates()
         if not lanes:
+            if self.flags.retry_no_worker and n + 1 < self.flags.attempts:
+                self.router_retries += 1  # 0.3.2: "no worker" is retried like a failed attempt
+                self.at(self.t + self.flags.backoff_s(n, self.router_rng), lambda: self._route(a, n + 1))
+                return
             self.router_unavailable += 1
             self._to_client(a, "rejected:no_available_workers", None, give_up=False)
             return
@@ -421,9 +587,15 @@ class FleetDriver(VirtualLoop):
             return
         tr = Try(a, lane, n, f"{a.rid}/{n}")
         self.tries[tr.rid] = tr
+        if lane.in_flight == 0:
+            lane.last_progress = self.t  # the wedge clock runs only while something is in flight
         lane.in_flight += 1
+        lane.in_flight_tokens += a.prompt_tokens
         lane.sent_since_poll += a.prompt_tokens
         if lane.admission is None:
+            stall = self.flags.stall_s
+            if not lane.engine.up and stall is not None and self.t - lane.last_progress >= stall:
+                lane.stalled = True  # refused after a silence: out of smg's rotation until polled
             self._to_engine(tr)
             return
         h = tr.handle = lane.admission.open()
@@ -465,9 +637,16 @@ class FleetDriver(VirtualLoop):
     ) -> None:
         """A non-2xx answer (or a dropped connection, 502) from a lane, before any byte reached the
         client: a failure for that lane's breaker; the router retries it or hands it on."""
-        tr.lane.in_flight -= 1
-        tr.lane.breaker.record(False, self.t)
-        if status in RETRYABLE and tr.n < self.flags.retries:
+        lane, f = tr.lane, self.flags
+        lane.in_flight -= 1
+        lane.in_flight_tokens -= tr.attempt.prompt_tokens
+        lane.last_progress = self.t
+        lane.breaker.record(f.breaker_outcome(status), self.t)
+        small = (
+            f.retry_cut_bytes is None
+            or tr.attempt.prompt_tokens * self.body_bytes_per_token <= f.retry_cut_bytes
+        )
+        if status in RETRYABLE and tr.n + 1 < f.attempts and small:
             self.router_retries += 1
             self.at(
                 self.t + self.flags.backoff_s(tr.n, self.router_rng),
@@ -492,8 +671,10 @@ class FleetDriver(VirtualLoop):
                 continue
             tr = self.tries[ev.rid]
             a, rec = tr.attempt, self.records[tr.attempt.rid]
+            lane.last_progress = self.t
             if isinstance(ev, FirstToken):
                 tr.started = True
+                lane.in_flight_tokens -= a.prompt_tokens
                 lane.breaker.record(True, self.t)
                 rec.ttft_s = round(ev.t - a.arrival, 4)
                 rec.cached_tokens = ev.cached_tokens
@@ -573,6 +754,8 @@ class FleetDriver(VirtualLoop):
             "router_unavailable": self.router_unavailable,
             "router_refused": self.router_refused,
             "breaker_opens": sum(lane.breaker.opens for lane in self.lanes),
+            # closed -> open, as the live runs count them from the router's log
+            "breaker_ejections": sum(lane.breaker.ejections for lane in self.lanes),
             "health_ejections": sum(lane.health_ejections for lane in self.lanes),
             "ledger_at_end": sum(
                 lane.admission.ledger.totals.requests for lane in self.lanes if lane.admission
@@ -592,7 +775,8 @@ class FleetDriver(VirtualLoop):
 
 
 def run_fleet(scenario: Scenario, lanes: list[LaneSetup], **kw: Any) -> dict[str, Any]:
-    """One run: ``gated``, ``rule``, ``flags`` and ``seed`` as :class:`FleetDriver` takes them."""
+    """One run: ``gated``, ``rule``, ``flags``, ``seed`` (and ``body_bytes_per_token``) as
+    :class:`FleetDriver` takes them."""
     return FleetDriver(scenario, lanes, **kw).run()
 
 
@@ -638,10 +822,16 @@ class Setup:
     rules: list[str] = field(default_factory=list)
 
 
-def setups(gate: str, answers: str, router_flags: str, rules: list[str]) -> list[Setup]:
-    flag_sets = {"defaults": [ROUTER_DEFAULTS], "recommended": [ROUTER_RECOMMENDED]}.get(
-        router_flags, [ROUTER_DEFAULTS, ROUTER_RECOMMENDED]
-    )
+def setups(
+    gate: str, answers: str, router_flags: str, rules: list[str], gateway: str = "both"
+) -> list[Setup]:
+    by_gateway = {
+        "sglang-router": {"defaults": ROUTER_DEFAULTS, "recommended": ROUTER_RECOMMENDED},
+        "smg": {"defaults": SMG_DEFAULTS, "recommended": SMG_RECOMMENDED},
+    }
+    gateways = ["smg", "sglang-router"] if gateway == "both" else [gateway]
+    which = ["defaults", "recommended"] if router_flags == "both" else [router_flags]
+    flag_sets = [by_gateway[g][w] for g in gateways for w in which]
     out: list[Setup] = []
     if gate in ("off", "both"):
         plain = [r for r in rules if r != "fit"]
@@ -733,7 +923,7 @@ def main(args: argparse.Namespace) -> int:
         print(input_problem(e), file=sys.stderr)
         return 2
     seed = scenario.seed if args.seed is None else args.seed
-    plan = setups(args.gate, args.answers, args.router_flags, rules)
+    plan = setups(args.gate, args.answers, args.router_flags, rules, args.gateway)
     rows = sweep(scenario, fleets, plan, seed)
     print(
         f"replay {scenario.name}: fleet behind a router model, seed {seed}, {scenario.duration_s:g} s virtual"

@@ -66,13 +66,14 @@ async def test_longer_than_the_context_is_a_400_the_client_does_not_retry(tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-async def test_larger_than_the_lane_is_a_503_the_client_does_not_retry(tmp_path: Path, kind: str) -> None:
+async def test_larger_than_the_lane_is_a_413_the_client_does_not_retry(tmp_path: Path, kind: str) -> None:
     engine = FakeEngine()
     async with lane(tmp_path, engine, **UNFIT_LANE) as (url, app, _), openai_client(url, kind) as client:
-        with pytest.raises(openai.InternalServerError) as info:
+        with pytest.raises(openai.APIStatusError) as info:
             await call(client, prompt=[1] * 600, max_tokens=10)
         e = info.value
-        assert e.status_code == 503 and e.code == "unfit_request"
+        # 413: no router retries it, and SGLang's gateway counts it as a success for its breaker.
+        assert e.status_code == 413 and e.code == "unfit_request" and e.type == "invalid_request_error"
         # Which limit, and by how much.
         assert "allocate 600 KiB" in e.message and "100 KiB more than the 500 KiB" in e.message
         assert "max_transient_bytes" in e.message
@@ -122,7 +123,8 @@ async def test_retry_after_counts_the_work_ahead(tmp_path: Path) -> None:
         tasks = [asyncio.create_task(client.post(url + "/generate", json=gen(rid=str(i)))) for i in range(6)]
         await eventually(lambda: len(engine.arrived) == 4 and app.admission.held == 2)
         r = await client.post(url + "/generate", json=gen(rid="late"))
-        assert r.status_code == 503 and r.headers["x-admission-reason"] == "queue_full"
+        assert r.status_code == 429 and r.headers["x-admission-reason"] == "queue_full"
+        assert r.json()["error"]["type"] == "admission_rejected"  # the lane is busy, not the request wrong
         # 4,000 forwarded + 2,000 held + its own 1,000, at the policy's 1,000 tokens/s (nothing
         # measured yet): 7 s.
         assert r.headers["retry-after"] == "7" and r.headers["x-should-retry"] == "true"
@@ -153,7 +155,7 @@ async def test_request_id_is_kept_or_generated_on_every_gated_answer(tmp_path: P
             assert len(generated) == 32 and generated != "abc-1"
             assert [a.get("rid") for a in engine.arrived] == ["r", "body-rid", None]
             no = await client.post(url + "/generate", json=gen(tokens=600), headers={"X-Request-Id": "abc-2"})
-            assert no.status_code == 503 and no.headers["x-request-id"] == "abc-2"
+            assert no.status_code == 413 and no.headers["x-request-id"] == "abc-2"
             assert no.json()["admission"]["request_id"] == "abc-2"
             bad = await client.post(
                 url + "/generate",
@@ -185,10 +187,18 @@ async def test_readyz_stays_ready_while_requests_are_held(tmp_path: Path) -> Non
 
 
 def test_answers_section_is_validated() -> None:
-    p = small_policy(answers__unfit_lane={"status": 413}, answers__reasons={"queue_full": {"status": 429}})
-    assert p.policy.answers.unfit_lane.status == 413
-    assert p.policy.answers.for_reason("queue_full").status == 429
-    assert p.policy.answers.for_reason("hold_timeout").status == 503
+    # The defaults (docs/routing.md): 413 unfit, 429 busy, 503 only where the lane cannot serve at all.
+    d = small_policy().policy.answers
+    assert (d.unfit_context.status, d.unfit_lane.status, d.for_reason("hold_timeout").status) == (
+        400,
+        413,
+        429,
+    )
+    assert d.for_reason("engine_unavailable").status == d.for_reason("draining").status == 503
+    p = small_policy(answers__unfit_lane={"status": 503}, answers__reasons={"queue_full": {"status": 503}})
+    assert p.policy.answers.unfit_lane.status == 503
+    assert p.policy.answers.for_reason("queue_full").status == 503
+    assert p.policy.answers.for_reason("hold_timeout").status == 429
     from sidecar.policy.schema import PolicyError
 
     with pytest.raises(PolicyError, match=r"answers\.reasons\.queue_ful"):

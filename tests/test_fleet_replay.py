@@ -1,8 +1,11 @@
-"""``replay --lanes``: a fleet behind a model of SGLang's router, in virtual time.
+"""``replay --lanes``: a fleet behind a model of SGLang's routers (smg 1.13, sglang-router 0.3.2), in
+virtual time.
 
 The experiment of the fleet test on real processes (requests no lane can run, then small ones), in a
-few seconds: the router's retries and breaker turn the sidecars' default answers into lane ejections;
-docs/routing.md's answers, its recommended flags, or a router that reads the fit signals, do not."""
+few seconds: the routers' retries and breakers turn the answers the sidecar gave before issue 26 (503)
+into lane ejections; its defaults (413 unfit, 429 busy) behind smg, the recommended flags behind 0.3.2,
+or a router that reads the fit signals, do not. tests/test_fleet_replay_live.py compares the model with
+every live run."""
 
 from __future__ import annotations
 
@@ -11,11 +14,15 @@ from pathlib import Path
 import pytest
 
 from sidecar import cli
-from sidecar_emulator.fleet import RECOMMENDED_ROUTER_FLAGS
+from sidecar.policy.schema import LoadedPolicy, Policy
+from sidecar_emulator.fleet import ANSWERS_BEFORE_26, RECOMMENDED_ROUTER_FLAGS
 from sidecar_emulator.fleet_replay import (
     ROUTER_DEFAULTS,
     ROUTER_RECOMMENDED,
+    SMG_DEFAULTS,
+    SMG_RECOMMENDED,
     Breaker,
+    FleetDriver,
     RouterFlags,
     lanes_from_count,
     run_fleet,
@@ -46,10 +53,30 @@ def scenario(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
     return load_scenario(path)
 
 
-def fleet(scenario, *, gated: bool, rule: str, flags: RouterFlags, answers: str = "policy"):  # type: ignore[no-untyped-def]
-    policy = maxq() if answers == "policy" else with_router_answers(maxq())
-    lanes = lanes_from_count(2, get_profile("maxq-old"), policy)
-    r = run_fleet(scenario, lanes, gated=gated, rule=rule, flags=flags, seed=scenario.seed)
+def with_answers(loaded: LoadedPolicy, answers: dict) -> LoadedPolicy:  # type: ignore[type-arg]
+    data = loaded.policy.model_dump() | {"answers": loaded.policy.answers.model_dump() | answers}
+    return LoadedPolicy(Policy.model_validate(data), loaded.sha256, loaded.path)
+
+
+# What the sidecar answered before issue 26: unfit and busy both 503.
+BEFORE_26 = ANSWERS_BEFORE_26
+UNFIT_429 = {"unfit_lane": {"status": 429, "retry_after": False, "should_retry": False}}
+
+
+def lanes_with(answers: str | dict):  # type: ignore[no-untyped-def,type-arg]
+    if answers == "policy":
+        policy = maxq()
+    elif answers == "router":
+        policy = with_router_answers(maxq())
+    else:
+        assert isinstance(answers, dict)
+        policy = with_answers(maxq(), answers)
+    return lanes_from_count(2, get_profile("maxq-old"), policy)
+
+
+def fleet(scenario, *, gated: bool, rule: str, flags: RouterFlags, answers: str | dict = "policy", **kw):  # type: ignore[no-untyped-def,type-arg]
+    lanes = lanes_with(answers)
+    r = run_fleet(scenario, lanes, gated=gated, rule=rule, flags=flags, seed=scenario.seed, **kw)
     # Every request ends in exactly one outcome, and the sidecars' ledgers return to zero.
     assert r["completed"] + r["client_errors"] == r["requests"] and r["in_flight_at_end"] == 0
     assert r["ledger_at_end"] == 0
@@ -62,25 +89,33 @@ def small_served(r) -> int:  # type: ignore[no-untyped-def]
     )
 
 
-def test_default_answers_at_the_routers_defaults_eject_healthy_lanes(scenario) -> None:  # type: ignore[no-untyped-def]
-    r = fleet(scenario, gated=True, rule="round_robin", flags=ROUTER_DEFAULTS)
+@pytest.mark.parametrize("flags", [ROUTER_DEFAULTS, SMG_DEFAULTS])
+def test_the_answers_before_issue_26_eject_healthy_lanes_behind_both_routers(scenario, flags) -> None:  # type: ignore[no-untyped-def]
+    r = fleet(
+        scenario, gated=True, rule="round_robin", flags=flags, answers=BEFORE_26, body_bytes_per_token=3
+    )
     assert r["crashes"] == []  # nothing was wrong with either lane...
-    assert r["breaker_opens"] == 2 and r["health_ejections"] == 0  # ...and the router ejected both
+    assert r["breaker_ejections"] == 2 and r["health_ejections"] == 0  # ...and the router ejected both
     assert r["router_retries"] >= 10  # each unrunnable request tried on lane after lane (503 is retried)
-    assert r["router_unavailable"] > 0 and small_served(r) < 10
+    assert small_served(r) < 10
 
 
 @pytest.mark.parametrize(
     "answers, flags, rule",
     [
-        ("router", ROUTER_DEFAULTS, "round_robin"),  # 413: not retried, one failure each
+        ("policy", SMG_DEFAULTS, "round_robin"),  # 413: not retried, a success for smg's breaker
+        ("policy", SMG_DEFAULTS, "least_load"),
+        ("policy", SMG_DEFAULTS, "hash"),  # every request on one lane: still a success each
+        ("policy", SMG_RECOMMENDED, "random"),
+        (UNFIT_429, SMG_DEFAULTS, "round_robin"),  # 429: retried elsewhere, neutral for smg's breaker
+        ("router", ROUTER_DEFAULTS, "round_robin"),  # 413: not retried; 6 failures a lane, under 10
         ("policy", ROUTER_RECOMMENDED, "round_robin"),  # breaker off, /readyz ejects dead engines only
         ("router", ROUTER_RECOMMENDED, "least_load"),
         ("policy", ROUTER_DEFAULTS, "fit"),  # the router itself knows no lane can run them
     ],
 )
 def test_the_recommended_answers_flags_or_fit_rule_eject_nothing(scenario, answers, flags, rule) -> None:  # type: ignore[no-untyped-def]
-    r = fleet(scenario, gated=True, rule=rule, flags=flags, answers=answers)
+    r = fleet(scenario, gated=True, rule=rule, flags=flags, answers=answers, body_bytes_per_token=3)
     assert r["crashes"] == [] and r["breaker_opens"] == 0 and r["health_ejections"] == 0
     assert small_served(r) == 10 and r["router_unavailable"] == 0
     if rule == "fit":  # no lane heard of the unrunnable requests at all
@@ -132,7 +167,7 @@ def test_cli_compares_lane_counts_and_rules_and_says_what_is_wrong(
 ) -> None:
     path = tmp_path / "s.yaml"
     path.write_text(SCENARIO)
-    cmd = ["replay", str(path), "--gate", "on", "--answers", "router"]
+    cmd = ["replay", str(path), "--gate", "on", "--answers", "router", "--gateway", "sglang-router"]
     rc = cli.main([*cmd, "--lanes", "1,2", "--router", "round_robin,fit", "--router-flags", "defaults"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -158,3 +193,75 @@ def test_the_shipped_fleet_file_loads() -> None:
         ("maxq", "maxq-old"),
         ("h200", "h200-qwen3next"),
     ]
+
+
+def test_retry_max_retries_is_attempts_in_all_on_both_routers(scenario) -> None:  # type: ignore[no-untyped-def]
+    """``--retry-max-retries 5``: 5 attempts in all (measured: 32 unfit 429s, 160 attempts, 128
+    retries), not 1 + 5. The breaker off, every unrunnable request is tried 5 times."""
+    for flags in (ROUTER_RECOMMENDED, SMG_RECOMMENDED):
+        r = fleet(
+            scenario, gated=True, rule="round_robin", flags=flags, answers=BEFORE_26, body_bytes_per_token=3
+        )
+        assert r["router_retries"] == 12 * 4, (flags.name, r["router_retries"])
+    assert RouterFlags.from_args("x", ["--disable-retries"], SMG_DEFAULTS).attempts == 1
+
+
+def test_smg_never_retries_a_body_over_1_mib_but_its_503_still_counts(scenario) -> None:  # type: ignore[no-untyped-def]
+    lanes = lanes_with(BEFORE_26)
+    for per_token, retried in ((3.0, True), (4.0, False)):  # 300K tokens: 0.86 MiB, then 1.14 MiB
+        d = FleetDriver(
+            scenario,
+            lanes,
+            gated=True,
+            rule="round_robin",
+            flags=SMG_RECOMMENDED,
+            seed=5,
+            body_bytes_per_token=per_token,
+        )
+        r = d.run()
+        assert (r["router_retries"] > 0) is retried
+    on = FleetDriver(
+        scenario, lanes, gated=True, rule="round_robin", flags=SMG_DEFAULTS, seed=5, body_bytes_per_token=4.0
+    )
+    r = on.run()
+    # 6 unretried 503s a lane, each a failure: under the threshold of 10, so no lane is out.
+    assert r["router_retries"] == 0 and r["breaker_ejections"] == 0
+    assert [lane.breaker.failures for lane in on.lanes] == [0, 0]  # the small ones' successes reset it
+
+
+def test_which_answers_count_for_each_routers_breaker() -> None:
+    assert [SMG_DEFAULTS.breaker_outcome(s) for s in (200, 400, 413, 429, 503, 408)] == [
+        True,
+        True,
+        True,
+        None,
+        False,
+        False,
+    ]
+    assert [ROUTER_DEFAULTS.breaker_outcome(s) for s in (200, 413, 429, 503)] == [True, False, False, False]
+    b = Breaker(SMG_DEFAULTS)
+    for _ in range(50):
+        b.record(SMG_DEFAULTS.breaker_outcome(429), 0.0)
+    assert b.state == "closed" and b.failures == 0
+
+
+def test_smg_leaves_out_overloaded_and_wedged_lanes_while_another_is_left(scenario) -> None:  # type: ignore[no-untyped-def]
+    d = FleetDriver(
+        scenario, lanes_with("policy"), gated=True, rule="round_robin", flags=SMG_DEFAULTS, seed=5
+    )
+    a, b = d.lanes
+    a.loads, b.loads = (0, 0.1, 8), (0, 0.1, 7)  # 8 waiting (held requests included): vetoed
+    assert d.candidates() == [b]
+    b.loads = (0, 0.8, 0)  # KV usage 0.8: vetoed too; every lane over: none is left out
+    assert d.candidates() == [a, b]
+    a.loads = b.loads = (0, 0.1, 0)
+    a.in_flight, a.in_flight_tokens, a.last_progress = 4, 1000, 0.0
+    d.t = 2.9
+    assert d.candidates() == [a, b]
+    d.t = 3.0  # four in flight, no answer for 3 s: wedged, out until it answers
+    assert d.candidates() == [b]
+    a.in_flight_tokens = 400_000  # the bound stretches to the prefill time in flight (200 s here)
+    assert d.candidates() == [a, b]
+    off = RouterFlags.from_args("x", ["--disable-worker-overload-protection"], SMG_DEFAULTS)
+    assert (off.overload_waiting, off.overload_usage) == (None, None)
+    assert SMG_DEFAULTS.slowed(20).cb_timeout_s == 1200 and SMG_DEFAULTS.slowed(20).loads_poll_s == 200

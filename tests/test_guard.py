@@ -135,7 +135,7 @@ SPEED = 4.0
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_the_client_gets_a_503_prefill_overrun_and_the_engine_never_crashes(
+async def test_the_client_gets_a_429_prefill_overrun_and_the_engine_never_crashes(
     tmp_path: Path, stream: bool
 ) -> None:
     model = build_model(get_profile("maxq-old"), seed=1)
@@ -165,10 +165,10 @@ async def test_the_client_gets_a_503_prefill_overrun_and_the_engine_never_crashe
         # Once the engine has computed its first chunks, another process on the card grows.
         await eventually(lambda: model.counters.prefill_compute_tokens >= 16_384, timeout=30)
         model.set_other_process_bytes(OTHER + 400 * MiB, emu.emulator.now())
-        with pytest.raises(openai.InternalServerError) as info:
+        with pytest.raises(openai.RateLimitError) as info:
             await call
         e = info.value
-        assert e.status_code == 503 and e.code == "prefill_overrun"
+        assert e.status_code == 429 and e.code == "prefill_overrun"
         h = e.response.headers
         assert h["x-admission-reason"] == "prefill_overrun" and h["x-should-retry"] == "true"
         assert int(h["retry-after"]) >= 1

@@ -66,7 +66,7 @@ async def test_declared_size_is_ignored_unless_started_for_the_emulator(tmp_path
             state = (await client.get(url.admin + "/admission/state")).json()
             assert state["trust_emulator_sizes"] is False
             r = await client.post(url + "/generate", json=body)
-            assert r.status_code == 503, r.text
+            assert r.status_code == 429, r.text
             assert engine.arrived == []
             # explain agrees with the gate
             e = await client.post(url.admin + "/admission/explain", json=body)
@@ -118,7 +118,7 @@ async def test_path_variants_are_gated(tmp_path: Path, path: str) -> None:
             r = await client.post(
                 url + path, json={"text": BIG_TEXT, "messages": [{"role": "user", "content": BIG_TEXT}]}
             )
-            assert r.status_code == 503, (path, r.status_code, r.text[:200])
+            assert r.status_code == 429, (path, r.status_code, r.text[:200])
             assert r.headers["x-admission-decision"] == "reject"
             # a small one is admitted and reaches the route the engine serves, not a redirect
             r = await client.post(
@@ -227,7 +227,7 @@ async def test_every_prefill_route_is_gated_with_its_parser(tmp_path: Path) -> N
             for route in routes:
                 for method in route.methods:
                     r = await client.request(method, url + route.path, json=big(route.shape))
-                    assert r.status_code == 503, (route, method, r.status_code, r.text[:300])
+                    assert r.status_code == 429, (route, method, r.status_code, r.text[:300])
                     assert r.json()["error"]["type"] == "admission_rejected"
                     small = await client.request(method, url + route.path, json=SMALL_BODIES[route.shape])
                     assert small.headers.get("x-admission-decision") == "admit", (route, small.text[:300])

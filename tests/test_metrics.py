@@ -118,7 +118,7 @@ async def test_promtool_check_metrics_on_live_metrics_is_clean(tmp_path: Path) -
     ):
         task = asyncio.create_task(client.post(url + "/generate", json=gen(stream=False, rid="held")))
         await eventually(lambda: app.admission.held == 1)
-        assert (await client.post(url + "/generate", json=gen(rid="x"))).status_code == 503
+        assert (await client.post(url + "/generate", json=gen(rid="x"))).status_code == 429
         write_gpu_file(gpu_file, 1024 * MIB)
         assert (await task).status_code == 200
         text = (await client.get(url.admin + "/metrics")).text

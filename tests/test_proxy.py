@@ -103,7 +103,7 @@ async def test_rejection_carries_the_contract(tmp_path: Path) -> None:
         r = await client.post(
             url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         )
-        assert r.status_code == 503
+        assert r.status_code == 429
         assert r.headers["x-admission-decision"] == "reject"
         assert r.headers["x-admission-reason"] == "queue_full"
         # A short prompt's estimate (well under a second at 1,000 tokens/s) is raised to the floor.

@@ -214,10 +214,10 @@ async def test_put_generate_is_gated(tmp_path: Path) -> None:
         httpx.AsyncClient(timeout=10) as client,
     ):
         post = await client.post(url + "/generate", json=gen(stream=False, rid="post"))
-        assert post.status_code == 503  # the gate is shut
+        assert post.status_code == 429  # the gate is shut
         put = await client.put(url + "/generate", json=gen(stream=False, rid="put"))
         assert engine.arrived == [], "PUT /generate reached the engine past a shut gate"
-        assert put.status_code == 503 and put.headers.get("x-admission-decision") == "reject"
+        assert put.status_code == 429 and put.headers.get("x-admission-decision") == "reject"
 
 
 def test_observer_failure_after_charge_leaks_the_ledger() -> None:
@@ -410,7 +410,7 @@ async def test_hold_timeout_over_the_wire(tmp_path: Path) -> None:
         httpx.AsyncClient(timeout=10) as client,
     ):
         r = await client.post(url + "/generate", json=gen(rid="late", tokens=5000))
-        assert r.status_code == 503 and r.headers["x-admission-reason"] == "hold_timeout"
+        assert r.status_code == 429 and r.headers["x-admission-reason"] == "hold_timeout"
         assert r.headers["retry-after"] == "5"  # its own 5,000 prefill tokens at 1,000 tokens/s
         assert engine.arrived == [] and app.admission.held == 0
         assert app.admission.ledger.totals == LedgerTotals()

@@ -176,7 +176,8 @@ async def test_a_crash_with_admitted_work_raises_the_margin_and_a_state_file_kee
             # The same request again is not admitted into the restarted engine.
             await eventually(lambda: a.snapshot.engine_health.consecutive_failures == 0, timeout=30)
             async with session.post(url + "/generate", json=body | {"rid": "again"}) as resp:
-                assert resp.status == 503
+                # unfit for the lane now: 413 by default (answers.unfit_lane), no Retry-After
+                assert resp.status == 413 and resp.headers["x-admission-reason"] == "unfit_request"
             learned_margin = a.rules.cost.margin
         saved = json.loads(state_file.read_text())
         assert saved["margin"] == pytest.approx(learned_margin) and saved["crashes"] == 1

@@ -193,9 +193,37 @@ async def test_measured_vs_policy_shows_what_the_state_reports_and_tolerates_abs
     )
     assert re.search(r"facts\.context_len\s+policy 100,000, measured 100,000, in force 100,000\n", text)
     assert re.search(r"idle_free\s+policy unknown, measured", text)
-    for key in ("monitor", "guard", "facts", "idle_free"):
+    for key in ("monitor", "guard", "facts", "idle_free", "lane_facts"):
         st.pop(key, None)
     bare = status.render_text(status.view(status.Sample(1.0, st, metrics)))
     assert "Measured vs policy" in bare and "(none reported)" in bare
     page = status.render_html(status.view(status.Sample(1.0, st, metrics)), 2.0, "now")
     assert "<script" not in page and 'http-equiv="refresh" content="2"' in page
+
+
+def test_the_lane_alerts_fire_from_the_metrics_that_feed_them() -> None:
+    """The robustness alerts in the view read the same series as alerts.yml: a disagreeing fact, a
+    crash since the previous reading, a build not yet confirmed; and stay quiet without them."""
+    fresh = {"age_s": 0.0, "consecutive_failures": 0}
+    state = {"gate_open": True, "headroom_bytes": 1, "engine": fresh, "gpu": fresh}
+
+    def sample(at: float, text: str) -> status.Sample:
+        return status.Sample(at, state, status.Metrics.parse(text))
+
+    quiet = sample(0.0, "sglang_sidecar_engine_crashes_total 0\nsglang_sidecar_engine_build_unconfirmed 0\n")
+    loud = sample(
+        1.0,
+        'sglang_sidecar_lane_fact_disagreement{fact="idle_free_bytes",unsafe="true"} 1\n'
+        'sglang_sidecar_lane_fact_disagreement{fact="context_len",unsafe="false"} 0\n'
+        "sglang_sidecar_engine_crashes_total 1\nsglang_sidecar_engine_build_unconfirmed 1\n",
+    )
+    lane = {
+        "SidecarPolicyDisagreesWithLane",
+        "SidecarEngineCrashedUnderLoad",
+        "SidecarEngineBuildUnconfirmed",
+    }
+    assert {a for a, _ in status.alerts_firing(quiet, None)} & lane == set()
+    fired = dict(status.alerts_firing(loud, quiet))
+    assert lane <= set(fired)
+    assert fired["SidecarPolicyDisagreesWithLane"].startswith("idle_free_bytes:")
+    assert "1 engine crash" in fired["SidecarEngineCrashedUnderLoad"]

@@ -171,7 +171,8 @@ def rejection_response(d: Decision, demand: Demand, waited_s: float, answers: An
         message = REJECT_MESSAGES[reason] + " " + unfit_message(check)
     else:
         message = REJECT_MESSAGES.get(reason, reason) + (f" Retry after {retry} s." if retry else "")
-    kind = "invalid_request_error" if answer.status < 500 else "admission_rejected"
+    # A 4xx says the request itself is at fault; 429 (busy now) is the lane's state, like a 503.
+    kind = "invalid_request_error" if answer.status < 500 and answer.status != 429 else "admission_rejected"
     body = error_object(message, reason, kind)
     body["admission"] = decision_fields(d, demand) | {"waited_ms": wait_ms}
     for check in body["admission"]["checks"]:

@@ -1,7 +1,8 @@
 """``GET /v1/loads`` on the sidecar's data port: the engine's document with the sidecar's work added.
 
 Routers poll ``/v1/loads`` from the worker URL they route to, which is the sidecar's (SGLang's model
-gateway asks ``/v1/loads?include=core`` about once a second for its load-aware policies). Passed
+gateway, smg 1.13, asks ``/v1/loads?include=core,disagg,queues,memory`` every 10 s, for its load-aware
+policies and its overload veto, evidence F261). Passed
 through, it shows only what the engine has seen: a request the sidecar is holding, or has forwarded
 while the engine's snapshot is still the old one, is invisible, and a load-aware router piles more
 onto the lane that looks idle. So the sidecar answers it: the engine's own answer (same query, same

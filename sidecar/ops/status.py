@@ -335,6 +335,24 @@ def alerts_firing(cur: Sample, prev: Sample | None) -> list[tuple[str, str]]:
     overrun = ((s.get("guard") or {}).get("last")) or None
     if overrun is not None and overrun.get("age_s") is not None and overrun["age_s"] < RECENT_S:
         out.append(("SidecarPrefillOverrun", f"last abort {overrun['age_s']:.0f} s ago"))
+    disagree = sorted(
+        {
+            dict(lb).get("fact", "?")
+            for (n, lb), v in m.values.items()
+            if n == "lane_fact_disagreement" and v == 1
+        }
+    )
+    if disagree:
+        out.append(
+            ("SidecarPolicyDisagreesWithLane", f"{', '.join(disagree)}: the lane's figure is in force")
+        )
+    crashes = _increase(m, pm, "engine_crashes_total")
+    if crashes:
+        out.append(("SidecarEngineCrashedUnderLoad", f"{crashes:.0f} engine crash(es) with work admitted"))
+    if m.get("engine_build_unconfirmed") == 1:
+        out.append(
+            ("SidecarEngineBuildUnconfirmed", "a new engine build is priced conservatively until confirmed")
+        )
     return out
 
 

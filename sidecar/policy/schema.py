@@ -488,23 +488,35 @@ class Answer(_Strict):
         return v
 
 
+# Reasons that say the lane cannot serve at all now (its engine is gone, or the sidecar is stopping):
+# a fault a router should count against the lane, unlike a refusal for lack of room.
+UNAVAILABLE_REASONS = frozenset(["engine_unavailable", "draining"])
+
+
 class Answers(_Strict):
-    """Status and headers per rejection reason. The defaults suit a client talking to one lane; behind
-    a router, see docs/routing.md, "Behind a router", for the block that keeps its circuit breaker closed.
+    """Status and headers per rejection reason, chosen by what SGLang's model gateway (``smg``) does
+    with them at its defaults (docs/routing.md has the measured table): a 4xx it does not retry is a
+    success for its circuit breaker, 429 is retried on another worker and counted neither way, 5xx is
+    retried and counted as a failure. So no admission answer ejects a healthy lane from its rotation.
 
     ``unfit_context``: prompt + max_new_tokens beyond the context (an exact count): SGLang answers 400,
     so do we, and the request never reaches the engine. ``unfit_lane``: larger than this lane can ever
-    run (transient, KV pool, Mamba slots): no retry here will help, another lane might. ``transient``:
-    every other reason (room may open); ``reasons`` overrides it per reason.
+    run (transient, KV pool, Mamba slots): 413, which no router or client retries. ``transient``: busy
+    now, room may open (held too long, queue full, signals stale, ...): 429 with ``Retry-After``, which
+    the gateway retries elsewhere. ``unavailable``: the engine is unreachable or the sidecar is
+    draining: 503, a fault the breaker should count. ``reasons`` overrides any of them per reason.
     """
 
     unfit_context: Answer = Answer(status=400, retry_after=False, should_retry=False)
-    unfit_lane: Answer = Answer(status=503, retry_after=False, should_retry=False)
-    transient: Answer = Answer(status=503, retry_after=True, should_retry=True)
+    unfit_lane: Answer = Answer(status=413, retry_after=False, should_retry=False)
+    transient: Answer = Answer(status=429, retry_after=True, should_retry=True)
+    unavailable: Answer = Answer(status=503, retry_after=True, should_retry=True)
     reasons: dict[AnsweredReason, Answer] = Field(default_factory=dict)
 
     def for_reason(self, reason: str) -> Answer:
-        return self.reasons.get(reason, self.transient)  # type: ignore[call-overload]
+        if reason in self.reasons:
+            return self.reasons[reason]  # type: ignore[index]
+        return self.unavailable if reason in UNAVAILABLE_REASONS else self.transient
 
 
 DEFAULT_GATED_PATHS = tuple(r.path for r in PREFILL_ROUTES[LATEST])
