@@ -276,3 +276,49 @@ def test_a_request_held_just_after_an_end_asks_for_a_report(clock: ManualClock) 
     assert small.admitted and asked == []  # admitted: no wait, no read
     waiting = submit(a, ask(a, 60_000))
     assert waiting.held and asked == [clock()]
+
+
+# -- the handle as the shell holds it: one outcome, decided on exit ---------------------------------------
+
+
+def test_a_handle_left_before_submitting_is_a_refused_body_or_a_client_gone(clock: ManualClock) -> None:
+    import asyncio
+
+    from sidecar.admission.controller import ClientGone
+
+    a, rec = make(clock)
+    with a.open():
+        pass  # answered 400/413/415 here: never reached the gate
+    for gone in (ClientGone(), asyncio.CancelledError()):
+        try:
+            with a.open():
+                raise gone
+        except (ClientGone, asyncio.CancelledError):
+            pass
+    assert rec.outcomes == Counter({Outcome.BAD_REQUEST: 1, Outcome.CLIENT_GONE: 2})
+
+
+def test_an_admitted_handle_completes_only_once_relayed_and_releases_on_any_exit(clock: ManualClock) -> None:
+    a, rec = make(clock)
+    with a.open() as h:
+        assert h.submit(cost_1mib(a)) is Action.ADMIT
+        h.prefill_done()
+        h.relayed()
+    with a.open() as h:
+        h.submit(cost_1mib(a))  # the engine failed, answered here with a 502: not relayed
+    try:
+        with a.open() as h:
+            h.submit(cost_1mib(a))
+            raise RuntimeError("broke mid-stream")
+    except RuntimeError:
+        pass
+    assert rec.outcomes == Counter({Outcome.COMPLETED: 1, Outcome.UPSTREAM_ERROR: 2})
+    assert len(a.ledger) == 0 and a.ledger.totals == LedgerTotals()
+
+
+def test_the_gates_own_outcome_stands_on_exit(clock: ManualClock) -> None:
+    a, rec = make(clock, free_mib=0, hold__max_held=0)
+    with a.open() as h:
+        assert h.submit(cost_1mib(a)) is Action.REJECT
+        assert h.outcome is Outcome.REJECTED
+    assert rec.outcomes == Counter({Outcome.REJECTED: 1})

@@ -1023,3 +1023,16 @@ def test_the_state_gives_the_last_abort_s_age_in_milliseconds(clock: ManualClock
     a.reload(policy(cost__margin=1.2))
     clock.advance(1.23456)
     assert a.guard_state()["last"]["age_s"] == 1.235
+
+
+def test_an_unfit_prefill_aborted_first_no_longer_joins_the_batch() -> None:
+    """The join check counts the batch without the prefills already aborted as unfit: with them, a
+    batch of 5 would need 21,000 KiB and a fit prefill would go too; without, 4 need 20,000: it stays."""
+    r = rules(
+        vram__max_transient_bytes=19_000 * KIB,
+        cost__batch_join_bytes=16_000 * KIB,
+        cost__batch_join_bytes_per_running_request=1_000 * KIB,
+    )
+    big, small = ask(r, 25_000, "big"), ask(r, 1_000, "small")
+    found = overruns([Prefill(1, small), Prefill(2, big)], r, gpu(), running=5)
+    assert [(o.key, o.fits_idle) for o in found] == [(2, False)]

@@ -493,3 +493,12 @@ def test_until_measured_auto_reads_live_free_memory_and_a_measurement_only_repla
     r = rules_in_force(fixed, taught)
     assert (r.vram.idle_free_bytes, r.vram.idle_free_auto, r.cost.margin) == (10 * GIB, False, 1.7)
     assert rules_in_force(fixed, Learned()).cost.margin == fixed.cost.margin
+
+
+def test_the_tolerance_alone_excuses_a_small_relative_excess() -> None:
+    """``tolerance`` and ``min_bytes`` each excuse an excess on their own (no ``min_bytes`` here)."""
+    m = rules_of(small_policy(monitor__tolerance=0.1, monitor__min_bytes=0).policy).monitor
+    assert excess(1100 * MIB, 1000 * MIB, m) is None  # exactly 10 % over: within the tolerance
+    assert excess(1101 * MIB, 1000 * MIB, m) == pytest.approx(1.101)
+    strict = rules_of(small_policy(monitor__tolerance=0.0, monitor__min_bytes=0).policy).monitor
+    assert excess(1001 * MIB, 1000 * MIB, strict) == pytest.approx(1.001)

@@ -328,12 +328,13 @@ def test_a_requests_headers_are_decoded_once_for_the_parser_and_the_forwarder() 
 
 
 @pytest.mark.parametrize("how", ["listener", "listener-after-body", "server-watch"])
-async def test_until_disconnect_cancels_the_work_when_the_client_goes_and_returns(how: str) -> None:
+async def test_until_disconnect_cancels_the_work_when_the_client_goes_and_says_so(how: str) -> None:
     """Both ways of learning that the client left: a task reading ``receive`` (a server that offers no
     watch, or a body still being relayed: ``after``), and the guarded server's own callback. The work
-    is cancelled (its cleanup runs), the caller returns normally; a work that ends first is not
-    cancelled and no callback outlives it."""
-    from sidecar.http.proxy import _until_disconnect
+    is cancelled (its cleanup runs) and the caller is told ``ClientGone`` (what the admission handle's
+    exit records); a work that ends first is not cancelled, and neither a callback nor the listener
+    task outlives it."""
+    from sidecar.http.proxy import ClientGone, _until_disconnect
     from sidecar.http.server import DISCONNECT_WATCH
 
     class Watch:
@@ -374,11 +375,18 @@ async def test_until_disconnect_cancels_the_work_when_the_client_goes_and_return
         watch.callback()
     else:
         leave.set()
-    await asyncio.wait_for(runner, 10)  # returns: the cancellation was ours, taken back
+    with pytest.raises(ClientGone):  # the cancellation was ours, taken back
+        await asyncio.wait_for(runner, 10)
     assert cleaned.is_set() and not runner.cancelled() and watch.callback is None
 
     async def quick() -> None:
         return None
 
-    await asyncio.wait_for(_until_disconnect(quick(), receive, scope), 10)
+    async def silent() -> dict[str, Any]:
+        await asyncio.Event().wait()  # a client that stays: only a cancellation ends this
+        return {"type": "http.disconnect"}
+
+    before = asyncio.all_tasks()
+    await asyncio.wait_for(_until_disconnect(quick(), silent, scope), 10)
     assert watch.callback is None
+    await eventually(lambda: asyncio.all_tasks() <= before)  # the fallback listener was cancelled

@@ -145,7 +145,12 @@ async def test_client_leaving_as_the_gate_admits_it_leaks_nothing() -> None:
         sent.append(msg)
 
     handle = a.open()
-    task = asyncio.create_task(proxy._gated(scope, _Body(json.dumps(gen()).encode()), send, handle))
+
+    async def gated() -> None:
+        with handle:  # as the proxy holds it: the outcome is decided on exit
+            await proxy._gated(scope, _Body(json.dumps(gen()).encode()), send, handle)
+
+    task = asyncio.create_task(gated())
     await eventually(lambda: a.held == 1)
 
     task.cancel()  # what _until_disconnect's listener does when http.disconnect arrives

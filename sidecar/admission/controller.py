@@ -9,10 +9,11 @@ order by :meth:`Admission.pump` whenever something that could let them in or tim
 (new signals, a ledger release, a policy reload, a handle leaving, a deadline on the injected clock),
 each told whose turn comes first (strict order is the decision's rule too).
 
-The handle alone records the request's outcome, exactly once (``end``), whatever path it leaves by: a
-bad body, the client gone while it is read, held or streamed, a rejection (recorded by the gate
-itself), an upstream error, completion. Ending it releases whatever it still holds (its ledger
-charge, its place in the queue), so no path can leak.
+The handle alone records the request's outcome, exactly once. The shell holds it as a context
+manager: the outcome is decided on exit from what happened (``Handle.outcome_on_exit``), whatever
+path the request leaves by; the gate records its own (a rejection, a guard's abort) when it decides.
+Ending releases whatever the handle still holds (its ledger charge, its place in the queue), so no
+path can leak.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+from asyncio import CancelledError
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -62,6 +64,10 @@ class Outcome(StrEnum):
     PREFILL_OVERRUN = "prefill_overrun"
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request was complete."""
+
+
 class Observer(Protocol):
     """Where decisions and outcomes go (metrics, the decision log). Must not block."""
 
@@ -101,10 +107,11 @@ class _Guarded:
 class Handle:
     """One gated request, from intake to its end. Only it records the request's outcome, once.
 
-    ``submit`` (once) returns the action: ``ADMIT`` (charged; call ``prefill_done`` at the first byte,
-    then ``end``), ``REJECT`` (already ended, outcome ``rejected``; ``decision`` says why), or ``HOLD``
-    (queued; ``on_done(handle)`` is called when the gate admits or rejects it). ``end`` may be called
-    at any point, any number of times: the first call records the outcome and releases what is held.
+    ``submit`` (once) returns the action: ``ADMIT`` (charged; call ``prefill_done`` at the first byte
+    and ``relayed`` at the last), ``REJECT`` (ended, outcome ``rejected``; ``decision`` says why), or
+    ``HOLD`` (queued; ``on_done(handle)`` is called when the gate admits or rejects it). Used as a
+    context manager, it ends on exit (``outcome_on_exit``); ``end`` records an outcome directly (the
+    emulator, tests): the first outcome recorded stands and releases what is held.
     """
 
     __slots__ = (
@@ -113,6 +120,7 @@ class Handle:
         "_on_done",
         "_on_overrun",
         "_owner",
+        "_relayed",
         "decision",
         "demand",
         "outcome",
@@ -135,6 +143,7 @@ class Handle:
         self._held = False
         self._on_done: Callable[[Handle], None] | None = None
         self._on_overrun: Callable[[Handle], None] | None = None
+        self._relayed = False  # the response went out to its end
 
     @property
     def admitted(self) -> bool:
@@ -160,8 +169,32 @@ class Handle:
         """
         self._owner._prefill_done(self, measured)
 
+    def relayed(self) -> None:
+        """The engine's response went out to the client to its end (whatever its status)."""
+        self._relayed = True
+
     def end(self, outcome: Outcome) -> None:
         self._owner._end(self, outcome)
+
+    def outcome_on_exit(self, exc: BaseException | None) -> Outcome:
+        """The outcome of a request whose handle is left with ``exc`` (None: normally), unless the
+        gate recorded one already: the client gone (its disconnect cancels the task) or anything else
+        raised is ``client_gone`` / ``upstream_error``; a normal exit before submitting is a refused
+        body (400/413/415, never forwarded); after it, ``completed`` once the response was relayed to
+        its end, else the engine's failure that was answered here (502/503/504)."""
+        if exc is not None:
+            gone = isinstance(exc, ClientGone | CancelledError)
+            return Outcome.CLIENT_GONE if gone else Outcome.UPSTREAM_ERROR
+        if self.demand is None:
+            return Outcome.BAD_REQUEST
+        return Outcome.COMPLETED if self._relayed else Outcome.UPSTREAM_ERROR
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if self.outcome is None:
+            self._owner._end(self, self.outcome_on_exit(exc))
 
     def on_overrun(self, callback: Callable[[Handle], None]) -> None:
         """What the shell does when the in-flight guard aborts this admitted request before its first

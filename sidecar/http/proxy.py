@@ -7,8 +7,9 @@ count tokens, decide, forward - and per chunk only a ``send``.
 
 Client disconnects are watched from the moment the body has been read: while held, while waiting for
 the engine's headers, and mid-stream. A disconnect cancels the request's task; cancellation closes
-the upstream response (the engine sees the connection drop and aborts the request) and ``finally``
-blocks end the ticket, so the ledger always returns to zero.
+the upstream response (the engine sees the connection drop and aborts the request). A gated request's
+admission handle is a context manager around all of it: its one outcome is decided on exit from what
+happened (``Handle.outcome_on_exit``), so the ledger always returns to zero.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from sidecar.admission.controller import Admission, Handle, Outcome
+from sidecar.admission.controller import Admission, ClientGone, Handle, Outcome
 from sidecar.core.decision import Action
 from sidecar.core.demand import Demand
 from sidecar.http.access_log import ACCESS_NOTE
@@ -64,10 +65,6 @@ PARSE_IN_THREAD_BYTES = 256 * 1024
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # Its own generator, seeded from the OS at import: request ids do not follow anyone's `random.seed`.
 _random_bits = random.Random().getrandbits
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request was complete."""
 
 
 def make_session(
@@ -143,43 +140,45 @@ class Proxy:
         problem = _header_problem(scope)
         if problem is None and gated:
             problem = json_body_refusal(scope["headers"])  # 415: a cross-site form must not spend the lane
+        try:
+            if not gated:
+                await self._pass_through(scope, receive, send, problem)
+                return
+            with self.admission.open() as handle:  # the request's one outcome, decided on exit
+                if problem is not None:
+                    status, headers, payload = problem
+                    rid = _client_request_id(scope) or new_request_id()
+                    await send_response(send, (status, [*headers, _id_header(rid)], payload))
+                    return
+                await self._gated_request(scope, receive, send, handle, route)
+        except ClientGone:
+            return
+
+    async def _pass_through(
+        self, scope: Scope, receive: Receive, send: Send, problem: Response | None
+    ) -> None:
+        """Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives."""
         if problem is not None:
-            if gated:
-                self.admission.open().end(Outcome.BAD_REQUEST)
-                status, headers, payload = problem
-                rid = _client_request_id(scope) or new_request_id()
-                problem = (status, [*headers, _id_header(rid)], payload)
             await send_response(send, problem)
             return
-        if not gated:
-            # Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives.
-            try:
-                body = await _PassThroughBody.start(scope, receive)
-            except ClientGone:
-                return
-            work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
-            await _until_disconnect(work, receive, scope, after=body.done)
-            return
-        handle = self.admission.open()
+        body = await _PassThroughBody.start(scope, receive)
+        work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
+        await _until_disconnect(work, receive, scope, after=body.done)
+
+    async def _gated_request(
+        self, scope: Scope, receive: Receive, send: Send, handle: Handle, route: Route | None
+    ) -> None:
         sent_id = _client_request_id(scope)
         try:
-            try:
-                body = _Body(await read_body(scope, receive, self.admission.policy.limits.max_body_bytes))
-            except BadRequest as e:
-                handle.end(Outcome.BAD_REQUEST)
-                rid = sent_id or new_request_id()
-                await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
-                return
-            except ClientGone:
-                return
-            if route is not None:
-                # Forward to the route the engine would serve, not to a variant it would redirect.
-                scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
-            await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive, scope)
-        finally:
-            # Whatever path was taken, the handle has ended: this is the backstop for a client that
-            # left before the work started (ClientGone, or a cancellation before its first step).
-            handle.end(Outcome.CLIENT_GONE)
+            body = _Body(await read_body(scope, receive, self.admission.policy.limits.max_body_bytes))
+        except BadRequest as e:
+            rid = sent_id or new_request_id()
+            await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
+            return
+        if route is not None:
+            # Forward to the route the engine would serve, not to a variant it would redirect.
+            scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
+        await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive, scope)
 
     # -- gated ---------------------------------------------------------------------------------------
 
@@ -205,10 +204,6 @@ class Proxy:
                     send, rejection_response(handle.decision, handle.demand, handle.waited_s, answers)
                 )
                 return
-            handle.end(Outcome.CLIENT_GONE)  # held, waiting for headers, or mid-stream
-            raise
-        except BaseException:
-            handle.end(Outcome.UPSTREAM_ERROR)
             raise
 
     async def _admit_and_forward(
@@ -250,7 +245,6 @@ class Proxy:
             # and the pollers do not wait behind it. Small bodies are cheaper parsed in place.
             req = await asyncio.to_thread(parse) if len(body) > PARSE_IN_THREAD_BYTES else parse()
         except BadRequest as e:
-            handle.end(Outcome.BAD_REQUEST)
             rid = sent_id or new_request_id()
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
             return None
@@ -304,7 +298,6 @@ class Proxy:
         ``measured``: a stream, whose first byte is its prefill's end (it times the lane's prefill rate)."""
         session = self.session
         assert session is not None, "proxy used outside the app's lifespan"
-        outcome = Outcome.UPSTREAM_ERROR
         started = False
         forwarded_at = time.monotonic()
         sized = length is not None and not isinstance(body, bytes | bytearray)
@@ -374,10 +367,8 @@ class Proxy:
                     if note is not None:
                         note["body_bytes"] = note.get("body_bytes", 0) + relayed
                 await send({"type": "http.response.body", "body": b""})
-                outcome = Outcome.COMPLETED
-        except asyncio.CancelledError:
-            outcome = Outcome.CLIENT_GONE
-            raise
+                if handle is not None:
+                    handle.relayed()
         except (aiohttp.ClientError, TimeoutError) as e:
             if not started:
                 status, headers, payload = _upstream_error(e, self.upstream)
@@ -387,17 +378,14 @@ class Proxy:
                 # client does not mistake a truncated stream for a complete one.
                 log.warning("upstream broke mid-response on %s: %s", scope["path"], e)
                 raise UpstreamBroke(str(e)) from None
-        finally:
-            if handle is not None:
-                handle.end(outcome)
 
 
 async def _acquire(handle: Handle, demand: Demand) -> bool:
     """Submit and, when held, wait for the gate's answer; True when admitted.
 
-    A client that leaves while held cancels this task, and the caller ends the handle with
-    ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or a
-    release pumped the queue before this task woke), or leaves the queue if not.
+    A client that leaves while held cancels this task, and the handle's exit records ``client_gone``:
+    that releases the charge if the gate admitted it in the same instant (a poll or a release pumped
+    the queue before this task woke), or leaves the queue if not.
     """
     answered: asyncio.Future[None] | None = None
 
@@ -566,7 +554,7 @@ async def _until_disconnect(
     work: Awaitable[None], receive: Receive, scope: Scope, after: asyncio.Event | None = None
 ) -> None:
     """Run ``work`` in this task; if the client disconnects first, cancel it (its finally blocks do the
-    cleanup) and return.
+    cleanup) and raise :class:`ClientGone`.
 
     ``after``: start listening only once this is set (the request body is still being read).
     The work runs in the caller's own task. The client's going is learnt from the server's own
@@ -592,7 +580,7 @@ async def _until_disconnect(
             await work
         except asyncio.CancelledError:
             if gone and task.uncancel() == 0:
-                return
+                raise ClientGone from None
             raise
         finally:
             watch.unwatch_disconnect(on_lost)
@@ -615,7 +603,7 @@ async def _until_disconnect(
     except asyncio.CancelledError:
         # Ours (the client left) unless someone else cancelled this task too (a shutdown): theirs goes on.
         if gone and task.uncancel() == 0:
-            return
+            raise ClientGone from None
         raise
     finally:
         listener.cancel()
