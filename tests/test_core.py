@@ -854,3 +854,33 @@ def test_the_queue_walks_in_priority_then_arrival_order_after_the_head_left(cloc
         ["first", "second", "later", "low"] if low_first else ["low", "first", "second", "later"]
     )
     assert a.held == 0
+
+
+def test_readiness_asks_the_decisions_own_thresholds() -> None:
+    """``/readyz`` (``readiness``) and ``decide`` agree: a signal the gate does not read (the GPU under
+    an idle budget) or one the policy admits blind on is no reason to be unready; an engine is
+    unavailable after ``unavailable_after_failures`` failed reads, not at the first."""
+    from sidecar.core.decide import readiness
+
+    snap = snapshot(NOW)
+    assert snap.gpu is not None
+    old_gpu = replace(snap, gpu=replace(snap.gpu, observed_at=NOW - 100))
+
+    def both(r: Rules, sn: Snapshot, **queue: object) -> tuple[Check | None, Decision]:
+        s = Situation(r, sn, EMPTY, NOW, **queue)  # type: ignore[arg-type]
+        return readiness(s), decide(ask(r, 100), s)
+
+    budget = rules(vram__headroom="idle_budget", vram__idle_free_bytes="10GiB")
+    why, d = both(budget, old_gpu)
+    assert why is None and d.admitted
+    why, d = both(rules(), old_gpu)
+    assert why is not None and why.name == "signals_stale" and "gpu" in why.note
+    assert d.reason is Reason.SIGNALS_STALE
+    assert both(rules(gpu__on_stale="admit"), old_gpu)[0] is None
+    for failures, ready in ((2, True), (3, False)):
+        sick = replace(snap, engine_health=SourceHealth(consecutive_failures=failures, last_error="boom"))
+        why, d = both(rules(), sick)
+        assert (why is None) is ready
+        assert d.reason is (None if ready else Reason.ENGINE_UNAVAILABLE)
+    why, d = both(rules(), snap, draining=True)
+    assert why is not None and why.note == "draining" and d.reason is Reason.DRAINING

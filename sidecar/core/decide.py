@@ -331,6 +331,16 @@ def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:
     return None
 
 
+def readiness(s: Situation) -> Check | None:
+    """What keeps every request from being admitted now, by the decision's own rules (``/readyz``
+    asks this): draining, an unavailable engine, or a signal the decision reads too old to admit on
+    (the same thresholds as ``decide``). None: the lane serves, though a request may still wait."""
+    if s.draining:
+        return Check(Reason.DRAINING.value, False, note="draining")
+    blind = _blindness(s)
+    return None if blind is None else blind[2]
+
+
 def _fresh(age: float | None, sr: SignalRules) -> bool:
     return age is not None and age <= sr.max_age_s
 

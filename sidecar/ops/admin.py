@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sidecar.admission.controller import Admission
-from sidecar.core.decide import headroom_bytes
+from sidecar.core.decide import headroom_bytes, readiness
 from sidecar.http.answers import decision_fields, error_object, invalid_request
 from sidecar.intake.body import BadRequest, parse_explain
 from sidecar.intake.demand import demand_of
@@ -186,6 +186,38 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
     return out
 
 
+def readiness_of(a: Admission, *, public: bool = False) -> dict[str, Any]:
+    """``/readyz``: the decision's own answer to "would anything be admitted now?" (``core.decide.
+    readiness``: draining, the engine unavailable after ``unavailable_after_failures`` failed reads, a
+    signal the gate reads older than its ``max_age_s`` where the policy does not admit blind), with
+    what it asked. A held request does not make the lane unready: it is serving."""
+    s = a.situation()
+    why = readiness(s)
+    problems = [] if why is None else [why.note]
+    if why is not None and why.name == "engine_unavailable":
+        # The engine's error names its URL: on the data port, only that it is unreachable.
+        problems = ["engine unreachable" + ("" if public else f": {why.note}")]
+    r, snap = s.rules, s.snapshot
+    asked = {
+        "draining": s.draining,
+        "engine": {
+            "age_s": snap.engine_age(s.now),
+            "max_age_s": r.engine.max_age_s,
+            "on_stale": r.engine.on_stale.value,
+            "consecutive_failures": snap.engine_health.consecutive_failures,
+            "unavailable_after_failures": r.engine.unavailable_after_failures,
+        },
+        "gpu": {
+            "age_s": snap.gpu_age(s.now),
+            "max_age_s": r.gpu.max_age_s,
+            "on_stale": r.gpu.on_stale.value,
+            # The gate reads the GPU only for live free memory (``vram.headroom: nvml_free``).
+            "read_by_the_gate": r.gpu.required and r.vram.uses_gpu_signal,
+        },
+    }
+    return {"ready": why is None, "problems": problems, "asked": asked}
+
+
 def _watch_state(a: Admission, now: float) -> dict[str, Any]:
     """The lane watch's state with wall-clock times (UTC, ISO 8601) beside its ages."""
     out = a.watch.state(now)
@@ -260,22 +292,8 @@ def build_admin(app: Host, admin_token: str | None, *, public: bool = False) -> 
 
     @api.get("/readyz", responses=_errors(503))
     async def readyz() -> JSONResponse:
-        a, now = app.admission, app.clock()
-        snap = a.snapshot
-        problems = []
-        if a.draining:
-            problems.append("draining")
-        if snap.engine_health.consecutive_failures:
-            # The error names the engine's URL: on the data port, only that it is unreachable.
-            problems.append("engine unreachable" + ("" if public else f": {snap.engine_health.last_error}"))
-        age = snap.engine_age(now)
-        if age is None or age > a.policy.engine.max_age_s:
-            problems.append("engine signals " + ("never read" if age is None else f"stale ({age:.1f}s)"))
-        if a.policy.gpu.required:
-            gage = snap.gpu_age(now)
-            if gage is None or gage > a.policy.gpu.max_age_s:
-                problems.append("gpu signals " + ("never read" if gage is None else f"stale ({gage:.1f}s)"))
-        return JSONResponse({"ready": not problems, "problems": problems}, 503 if problems else 200)
+        body = readiness_of(app.admission, public=public)
+        return JSONResponse(body, 200 if body["ready"] else 503)
 
     @api.get("/admission/state")
     async def get_state() -> dict[str, Any]:
