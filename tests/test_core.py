@@ -340,7 +340,9 @@ def test_headroom_from_the_idle_budget_less_a_grown_neighbour() -> None:
 
 def test_draining_rejects_everything_with_the_minimum_retry() -> None:
     r = rules(hold__retry_after_min_s=3)
-    assert judge(r, ask(r, 10), draining=True) == Decision(Action.REJECT, Reason.DRAINING, 3)
+    assert judge(r, ask(r, 10), draining=True) == Decision(
+        Action.REJECT, Reason.DRAINING, 3, check="draining"
+    )
 
 
 def test_strict_order_holds_behind_the_reason_ahead_and_backfill_does_not() -> None:

@@ -69,7 +69,7 @@ async def test_counters_sum_to_requests_and_held_requests_decide_once(tmp_path: 
         d = dict(labels)
         assert d["decision"] in ("admit", "reject")
         assert (d["decision"] == "admit") == (d["reason"] == "none"), d
-    assert m[P + "held_total"][(("reason", "vram_headroom"),)] == 3
+    assert m[P + "held_total"][(("check", "vram_headroom"), ("reason", "vram_headroom"))] == 3
     assert total(m[P + "held_total"]) == 3
     # hold_seconds observes every final decision: its count is the decisions' sum.
     assert m[P + "hold_seconds_count"][()] == total(decisions)
@@ -84,7 +84,7 @@ async def test_shadow_mode_counts_what_enforcement_would_do_once_per_request(tmp
     ):
         assert (await client.post(url + "/generate", json=gen(stream=False))).status_code == 200
         m = samples((await client.get(url.admin + "/metrics")).text)
-    assert m[P + "held_total"][(("reason", "vram_headroom"),)] == 1
+    assert m[P + "held_total"][(("check", "vram_headroom"), ("reason", "vram_headroom"))] == 1
     assert total(m[P + "decisions_total"]) == 1 == total(m[P + "requests_total"])
     assert m[P + "decisions_total"][(("decision", "admit"), ("reason", "none"))] == 1
 
@@ -166,3 +166,45 @@ def test_the_policys_idle_figure_is_exported_only_when_it_states_one() -> None:
     assert idle(old) == [float(old.vram.idle_free_bytes)]  # type: ignore[arg-type]
     auto = old.model_copy(update={"vram": old.vram.model_copy(update={"idle_free_bytes": "auto"})})
     assert idle(auto) == []
+
+
+def test_each_kind_of_hold_names_itself_in_held_total() -> None:
+    """Three holds share the reason ``vram_headroom`` (the headroom, the batch join, a pending join,
+    and a prefill on its own schedule); the ``check`` label tells them apart, and a request held behind
+    an earlier one says ``strict_order``."""
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.core import demand
+    from sidecar.core.decision import Action, Decision, Reason
+    from sidecar.core.ledger import LedgerTotals
+    from sidecar.ops.telemetry import Telemetry
+    from sidecar.policy.in_force import rules_of
+    from tests.conftest import small_policy
+
+    registry = CollectorRegistry()
+    t = Telemetry(registry)
+    d = demand.build(rules_of(small_policy().policy), 10, arrived_at=0.0)
+    for check in (
+        "vram_headroom",
+        "batch_join",
+        "join_pending",
+        "own_schedule",
+        "strict_order",
+        "join_pending",
+    ):
+        t.decision(Decision(Action.HOLD, Reason.VRAM_HEADROOM, check=check), d, 0.0, LedgerTotals())
+    t.decision(Decision(Action.HOLD, Reason.KV_POOL, check="strict_order"), d, 0.0, LedgerTotals())
+
+    def held(reason: str, check: str) -> float | None:
+        return registry.get_sample_value(P + "held_total", {"reason": reason, "check": check})
+
+    assert [
+        held("vram_headroom", c) for c in ("vram_headroom", "batch_join", "join_pending", "own_schedule")
+    ] == [
+        1,
+        1,
+        2,
+        1,
+    ]
+    assert held("vram_headroom", "strict_order") == 1 and held("kv_pool", "strict_order") == 1
+    assert held("kv_pool", "kv_pool") == 0  # each reason's own check exists from the start

@@ -108,7 +108,7 @@ async def test_shadow_mode_forwards_what_enforce_would_hold(tmp_path: Path) -> N
         assert r.headers["x-admission-shadow-decision"] == "hold"
         assert r.headers["x-admission-shadow-reason"] == "vram_headroom"
         text = (await client.get(url.admin + "/metrics")).text
-        assert 'sglang_sidecar_held_total{reason="vram_headroom"} 1.0' in text
+        assert 'sglang_sidecar_held_total{check="vram_headroom",reason="vram_headroom"} 1.0' in text
         assert 'sglang_sidecar_decisions_total{decision="admit",reason="none"} 1.0' in text
         assert (await client.get(url.admin + "/admission/state")).json()["mode"] == "shadow"
         assert app.admission.ledger.totals.requests == 0

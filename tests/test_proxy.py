@@ -76,7 +76,7 @@ async def test_disconnect_while_held_removes_the_request(tmp_path: Path, padding
         assert app.admission.ledger.totals.requests == 0
         metrics = (await client.get(url.admin + "/metrics")).text
         assert 'sglang_sidecar_requests_total{outcome="client_gone"} 1.0' in metrics
-        assert 'sglang_sidecar_held_total{reason="vram_headroom"} 1.0' in metrics
+        assert 'sglang_sidecar_held_total{check="vram_headroom",reason="vram_headroom"} 1.0' in metrics
 
 
 async def test_held_request_is_admitted_when_memory_frees(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, replace
 
 from sidecar.core.constraints import CONSTRAINTS, Reading
-from sidecar.core.decision import Action, Charge, Check, Decision, Reason
+from sidecar.core.decision import STRICT_ORDER, Action, Charge, Check, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import ExceedAction, Rules, SignalRules, VramRules
@@ -96,21 +96,21 @@ def decide(demand: Demand, s: Situation) -> Decision:
     """Admit, hold or reject one request (steps 1-6 of the module docstring)."""
     rules = s.rules
     if s.draining:
-        return Decision(Action.REJECT, Reason.DRAINING, retry_after_s(s, Reason.DRAINING))
+        return Decision(Action.REJECT, Reason.DRAINING, retry_after_s(s, Reason.DRAINING), check="draining")
     charge = charge_of(demand, rules, s.snapshot)
     headroom = headroom_bytes(rules, s.snapshot, s.ledger)
-    action, reason, checks = _judge(demand, s, charge, headroom)
+    action, reason, checks, by = _judge(demand, s, charge, headroom)
     if action is not Action.ADMIT and _starts_own_batch(demand, s):
         own = replace(charge, projected_bytes=demand.own_bytes(rules), own_prefills=1)
         verdict = _judge(demand, s, own, headroom)
         if verdict[0] is Action.ADMIT:
-            (action, reason, checks), charge = verdict, own
+            (action, reason, checks, by), charge = verdict, own
     if action is Action.ADMIT and s.queued:
         old = _gpu_predates_wait(demand, s)
         if old is not None:
-            action, reason, checks = Action.HOLD, Reason.SIGNALS_STALE, (*checks, old)
+            action, reason, checks, by = Action.HOLD, Reason.SIGNALS_STALE, (*checks, old), old.name
     if action is Action.ADMIT and s.ahead is not None and not rules.hold.backfill:
-        action, reason = Action.HOLD, s.ahead
+        action, reason, by = Action.HOLD, s.ahead, STRICT_ORDER
     if action is Action.HOLD and s.now >= demand.deadline:
         action, reason = Action.REJECT, Reason.HOLD_TIMEOUT
     elif action is Action.HOLD and not s.queued and s.held >= rules.hold.max_held:
@@ -119,8 +119,10 @@ def decide(demand: Demand, s: Situation) -> Decision:
         late = _expected_late(demand, s)
         if late is not None:
             action, reason, checks = Action.REJECT, Reason.HOLD_TIMEOUT, (*checks, late)
+    if reason in (Reason.HOLD_TIMEOUT, Reason.QUEUE_FULL):
+        by = reason.value
     retry = retry_after_s(s, reason, demand.uncached_tokens) if action is Action.REJECT else None
-    return Decision(action, reason, retry, headroom, checks, charge)
+    return Decision(action, reason, retry, headroom, checks, charge, by)
 
 
 def expected_wait_s(s: Situation) -> float | None:
@@ -224,15 +226,15 @@ def idle_budget(v: VramRules, gpu: GpuSignals | None) -> int:
 
 def _judge(
     demand: Demand, s: Situation, charge: Charge, headroom: int | None
-) -> tuple[Action, Reason | None, tuple[Check, ...]]:
-    """Steps 2-4: fit, sight, then the constraints."""
+) -> tuple[Action, Reason | None, tuple[Check, ...], str | None]:
+    """Steps 2-4: fit, sight, then the constraints; with the name of the check that decided."""
     unfit = _unfit(demand, s, charge)
     if unfit is not None:
-        return Action.REJECT, Reason.UNFIT_REQUEST, (unfit,)
+        return Action.REJECT, Reason.UNFIT_REQUEST, (unfit,), unfit.name
     blind = _blindness(s)
     if blind is not None:
         action, reason, check = blind
-        return action, reason, (check,)
+        return action, reason, (check,), check.name
     rules, snap, now = s.rules, s.snapshot, s.now
     gpu_ok = not rules.vram.uses_gpu_signal or _fresh(snap.gpu_age(now), rules.gpu)
     reading = Reading(
@@ -244,18 +246,19 @@ def _judge(
         join_pending=join_pending(s),
     )
     checks: list[Check] = []
-    failed: tuple[Reason, ExceedAction] | None = None
+    failed: tuple[Reason, ExceedAction, str] | None = None
     for c in CONSTRAINTS:
         check = c.check(demand, reading)
         if check is None:
             continue
         checks.append(check)
         if failed is None and not check.ok:
-            failed = (c.reason, c.on_exceed(rules))
+            failed = (c.reason, c.on_exceed(rules), check.name)
     if failed is None:
-        return Action.ADMIT, None, tuple(checks)
-    reason, on_exceed = failed
-    return (Action.HOLD if on_exceed is ExceedAction.HOLD else Action.REJECT), reason, tuple(checks)
+        return Action.ADMIT, None, tuple(checks), None
+    reason, on_exceed, by = failed
+    action = Action.HOLD if on_exceed is ExceedAction.HOLD else Action.REJECT
+    return action, reason, tuple(checks), by
 
 
 def _unfit(demand: Demand, s: Situation, charge: Charge) -> Check | None:

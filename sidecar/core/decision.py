@@ -30,6 +30,10 @@ class Reason(StrEnum):
     PREFILL_OVERRUN = "prefill_overrun"
 
 
+# ``Decision.check`` of a request held behind an earlier one (strict order), whatever that one waits for.
+STRICT_ORDER = "strict_order"
+
+
 @dataclass(frozen=True, slots=True)
 class Check:
     """One step's verdict with the numbers that decided it (for explain and the decision log)."""
@@ -79,6 +83,10 @@ class Decision:
     checks: tuple[Check, ...] = field(default_factory=tuple)
     # What admitting this request books (also set on a hold or a rejection: shadow mode forwards those).
     charge: Charge = Charge()
+    # The check that held or rejected it (its name in ``checks``; ``strict_order`` for one held behind
+    # an earlier request): what tells apart holds of one reason (``vram_headroom``: ``batch_join``,
+    # ``join_pending``, ``own_schedule``). None for an admission.
+    check: str | None = None
 
     @property
     def admitted(self) -> bool:

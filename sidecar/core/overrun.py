@@ -106,7 +106,9 @@ def rejection(o: Overrun, admitted: Decision, retry_after_s: int | None) -> Deci
     )
     retry = retry_after_s if o.fits_idle else None
     checks = (*admitted.checks, check)
-    return Decision(Action.REJECT, Reason.PREFILL_OVERRUN, retry, o.room_bytes, checks, admitted.charge)
+    return Decision(
+        Action.REJECT, Reason.PREFILL_OVERRUN, retry, o.room_bytes, checks, admitted.charge, check.name
+    )
 
 
 def overruns(

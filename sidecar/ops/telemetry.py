@@ -157,11 +157,15 @@ class Telemetry:
         }
         held = Counter(
             PREFIX + "held",
-            "Gated requests parked in the hold queue, by the reason they were held (whatever came next)",
-            ["reason"],
+            "Gated requests parked in the hold queue, by the reason they were held and the check that "
+            "held them (strict_order: behind an earlier request), whatever came next",
+            ["reason", "check"],
             registry=registry,
         )
-        self._held = {r: held.labels(r.value) for r in HOLD_REASONS}
+        self._held_by = held
+        # Each reason's own check exists from the start (a rate() has a zero to start from); the
+        # other pairs (vram_headroom's batch_join, join_pending, own_schedule; strict_order) on first use.
+        self._held = {(r, r.value): held.labels(r.value, r.value) for r in HOLD_REASONS}
         requests = Counter(
             PREFIX + "requests",
             "Gated requests by how they ended, one per request",
@@ -213,7 +217,12 @@ class Telemetry:
         if d.action is Action.HOLD:
             # A hold always names what it waits for; a reason-less hold would be a core bug, counted
             # under the strict-order wait it most likely is rather than dropped.
-            self._held[d.reason if d.reason in self._held else Reason.VRAM_HEADROOM].inc()
+            reason = d.reason or Reason.VRAM_HEADROOM
+            key = (reason, d.check or reason.value)
+            counter = self._held.get(key)
+            if counter is None:
+                counter = self._held[key] = self._held_by.labels(reason.value, key[1])
+            counter.inc()
             if self.shadow:
                 self._admits.inc()
                 self._hold.observe(0.0)
