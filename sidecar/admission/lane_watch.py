@@ -207,9 +207,8 @@ def raised_margin(
 
 
 def projection(totals: LedgerTotals, cost: CostModel) -> int:
-    """What the ledger expects the engine to hold beyond idle now: the prefill transients, or the
-    running batch's join allocation (SGLang never runs the two in one forward pass)."""
-    return max(totals.projected_bytes, cost.join_bytes(totals.running_requests))
+    """What the ledger expects the engine to hold beyond idle now (``CostModel.at_once``)."""
+    return cost.at_once(totals.projected_bytes, totals.running_requests)
 
 
 class LaneWatch:
@@ -770,7 +769,7 @@ class LaneWatch:
         expected = (
             projection(totals, cost)
             if in_flight is None
-            else max(in_flight, cost.join_bytes(totals.running_requests))
+            else cost.at_once(in_flight, totals.running_requests)
         )
         current = (expected, self._charged_with)
         ended = (self._ended(in_flight), self._charged_with)

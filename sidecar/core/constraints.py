@@ -71,10 +71,10 @@ class VramHeadroom:
 class BatchJoin:
     """A request that will run beside others: the allocation the running batch makes when it joins.
 
-    SGLang runs a prefill batch and the decode batch in separate forward passes (no mixed chunk), so
-    the join allocation never coexists with a prefill transient: it is checked against the free memory
-    before the ledger's prefills (``headroom + projected``), the running count is the ledger's
-    (admitted, not ended). Reason: ``vram_headroom``. Absent when the policy has no join term.
+    The join never coexists with a prefill transient (``CostModel.at_once``): it is checked against
+    the free memory before the ledger's prefills (``headroom + projected``), while ``VramHeadroom``
+    checks the transients; the running count is the ledger's (admitted, not ended). Reason:
+    ``vram_headroom``, check ``batch_join``. Absent when the policy has no join term.
     """
 
     reason = Reason.VRAM_HEADROOM

@@ -20,8 +20,8 @@ peaks are summed, as the ledger sums them at admission (``core/ledger.py`` says 
 2. then, while the sum exceeds the room the lane has for prefill transients now (its idle budget less
    what other processes grew by, less the reserve: ``decide.headroom_bytes`` with nothing booked), or
    the batch the prefills join when they finish would allocate more than that room
-   (``CostModel.join_bytes`` of every admitted request still running: the join and a prefill never
-   share a forward pass, so each is checked alone, as ``constraints.BatchJoin`` does at admission),
+   (``CostModel.join_bytes`` of every admitted request still running; ``CostModel.at_once``: each is
+   checked alone, as ``constraints.BatchJoin`` does at admission),
    the youngest is aborted first (the one that has done the least work and came last), and it stops
    once the rest fits.
 With live NVML free as headroom (``nvml_free``) the room includes what the in-flight prefills already
@@ -135,14 +135,12 @@ def overruns(
         return tuple(out)
     total = sum(peaks[i] for i in keep)
     running -= len(out)
-    while keep:
-        join = rules.cost.join_bytes(running)
+    while keep and rules.cost.at_once(total, running) > room:
         if total > room:
             why = f"in-flight prefills project {_mib(total)} under the rules now in force"
-        elif join > room:
-            why = f"joining the running batch of {running} projects {_mib(join)} under the rules now in force"
         else:
-            break
+            join = rules.cost.join_bytes(running)
+            why = f"joining the running batch of {running} projects {_mib(join)} under the rules now in force"
         i = keep.pop()  # the youngest
         p = prefills[i]
         out.append(

@@ -71,6 +71,14 @@ class CostModel:
     # decision does not read it). None: not calibrated.
     calibrated_ratio: float | None = None
 
+    def at_once(self, prefill_bytes: int, running: int) -> int:
+        """The most the engine holds beyond idle at one time: the prefill transients (``prefill_bytes``)
+        or the running batch's join as it grows to ``running``, never both. SGLang runs a prefill batch
+        and the decode batch in separate forward passes (no mixed chunk; evidence S25), so the two never
+        coexist. The one statement of that rule: the admission's join check, the guard and the monitor
+        read it from here."""
+        return max(prefill_bytes, self.join_bytes(running))
+
     def join_bytes(self, running: int) -> int:
         """What the running batch allocates when it grows to ``running`` requests, margin included."""
         if running < 2 or not (self.batch_join_bytes or self.batch_join_bytes_per_running_request):
