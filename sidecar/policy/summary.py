@@ -105,49 +105,79 @@ def summarize(
     policy's own."""
     lane = policy.lane
     context = context_len or lane.context_len
-    pool = kv_pool_tokens or lane.kv_pool_tokens
-    slots = mamba_slots or lane.mamba_slots
     chunk = chunk or lane.chunked_prefill_size
     rules = rules or rules_of(policy)
-    cap = rules.vram.transient_cap()
-
-    def transient(n: int) -> int:
-        return project_bytes(rules.cost, shape(n, n, chunk))
-
     # A prompt must leave room for at least one new token inside the context (gate: prompt >= context
     # is unfit), so the context alone allows context - 1.
-    limits = [PromptLimit("context", context - 1, f"prompt + max_new_tokens must stay within {context:,}")]
-    if cap is not None:
-        if transient(1) > cap:
-            n: int | None = 0
-        elif transient(SEARCH_LIMIT) <= cap:
-            n = None
-        else:
-            n = _largest(lambda k: transient(k) <= cap, SEARCH_LIMIT)
-        how = (
-            f"idle budget {format_size(rules.vram.idle_free_bytes)}"
-            f"{' (measured by the sidecar)' if policy.vram.idle_free_auto else ''} - reserve "
-            f"{format_size(policy.vram.reserve_bytes)}"
-            if policy.vram.max_transient_bytes is None
-            else "vram.max_transient_bytes"
-        )
-        alone = _alone(rules, chunk, cap, n) if policy.guard.enabled else None
-        if alone is not None:
-            how += (
-                f"; alone, priced by its own chunk schedule, up to {alone:,} where its last chunk falls "
-                "best (an engine exporting its prefill counters)"
-            )
-        limits.append(
-            PromptLimit("transient", n, f"projected prefill transient <= {format_size(cap)}: {how}")
-        )
-    else:
+    limits = [
+        PromptLimit("context", context - 1, f"prompt + max_new_tokens must stay within {context:,}"),
+        _transient_limit(policy, rules, chunk),
+        *_pool_limits(policy, kv_pool_tokens or lane.kv_pool_tokens, mamba_slots or lane.mamba_slots),
+    ]
+    bounded = [lim for lim in limits if lim.max_prompt_tokens is not None]
+    tightest = min(bounded, key=lambda lim: lim.max_prompt_tokens or 0) if bounded else None
+    return PolicySummary(
+        name=policy.name,
+        headroom=policy.vram.headroom.value
+        if rules.vram.headroom is policy.vram.headroom
+        else f"{rules.vram.headroom.value} until idle free memory is measured, then {policy.vram.headroom.value}",
+        transient_cap_bytes=rules.vram.transient_cap(),
+        max_prompt_tokens=tightest.max_prompt_tokens if tightest else None,
+        limited_by=tightest.by if tightest else None,
+        prompt_limits=tuple(limits),
+        projections=_projections(rules, chunk, tightest),
+        engine_queue_max_requests=policy.engine_queue.max_requests,
+        pending_prefill_max_tokens=policy.pending_prefill.max_tokens,
+        hold_max_held=policy.hold.max_held,
+        hold_max_wait_s=policy.hold.max_wait_s,
+        on_stale=_on_stale(policy),
+        idle_free=_idle_free(policy, rules),
+        monitor=_monitor(policy),
+    )
+
+
+def _transient(rules: Rules, chunk: int, n: int) -> int:
+    """The projected prefill transient of a cold prompt of ``n`` tokens."""
+    return project_bytes(rules.cost, shape(n, n, chunk))
+
+
+def _transient_limit(policy: Policy, rules: Rules, chunk: int) -> PromptLimit:
+    """The longest prompt whose transient fits the lane's cap (none without a cap)."""
+    cap = rules.vram.transient_cap()
+    if cap is None:
         why = "no cap: headroom is live GPU free memory, a request waits until its transient fits"
         if policy.vram.idle_free_auto:
             why = (
                 "no cap until the sidecar has measured idle free memory (vram.idle_free_bytes: auto); "
                 "meanwhile headroom is live GPU free memory and a request waits until its transient fits"
             )
-        limits.append(PromptLimit("transient", None, why))
+        return PromptLimit("transient", None, why)
+    n: int | None
+    if _transient(rules, chunk, 1) > cap:
+        n = 0
+    elif _transient(rules, chunk, SEARCH_LIMIT) <= cap:
+        n = None
+    else:
+        n = _largest(lambda k: _transient(rules, chunk, k) <= cap, SEARCH_LIMIT)
+    how = (
+        f"idle budget {format_size(rules.vram.idle_free_bytes)}"
+        f"{' (measured by the sidecar)' if policy.vram.idle_free_auto else ''} - reserve "
+        f"{format_size(policy.vram.reserve_bytes)}"
+        if policy.vram.max_transient_bytes is None
+        else "vram.max_transient_bytes"
+    )
+    alone = _alone(rules, chunk, cap, n) if policy.guard.enabled else None
+    if alone is not None:
+        how += (
+            f"; alone, priced by its own chunk schedule, up to {alone:,} where its last chunk falls "
+            "best (an engine exporting its prefill counters)"
+        )
+    return PromptLimit("transient", n, f"projected prefill transient <= {format_size(cap)}: {how}")
+
+
+def _pool_limits(policy: Policy, pool: int | None, slots: int | None) -> list[PromptLimit]:
+    """The KV pool's and the Mamba slots' limits, where the lane has them."""
+    limits = []
     if pool is not None:
         room = pool - policy.kv.reserve_tokens
         limits.append(
@@ -156,6 +186,7 @@ def summarize(
     m = policy.mamba
     if m is not None and slots is not None:
         room = slots - m.reserve_slots - m.slots_per_request
+        n: int | None
         if room < 0:
             n = 0
         elif m.checkpoint_interval_tokens:
@@ -172,38 +203,20 @@ def summarize(
                 f"{m.slots_per_request} slot(s) per request{per} within {slots} - reserve {m.reserve_slots}",
             )
         )
-    bounded = [lim for lim in limits if lim.max_prompt_tokens is not None]
-    tightest = min(bounded, key=lambda lim: lim.max_prompt_tokens or 0) if bounded else None
-    max_prompt = tightest.max_prompt_tokens if tightest else None
+    return limits
 
-    projections = []
+
+def _projections(rules: Rules, chunk: int, tightest: PromptLimit | None) -> tuple[Projection, ...]:
+    """The transient of each probe length, and whether the tightest limit lets it in."""
+    max_prompt = tightest.max_prompt_tokens if tightest else None
+    out = []
     for n in PROBE_TOKENS:
-        b = transient(n)
         if max_prompt is not None and n > max_prompt:
-            note = f"unfit: over the {tightest.by} limit" if tightest else "unfit"
-            fits = False
+            fits, note = False, f"unfit: over the {tightest.by} limit" if tightest else "unfit"
         else:
             fits, note = True, "fits an idle lane"
-        projections.append(Projection(n, b, fits, note))
-
-    return PolicySummary(
-        name=policy.name,
-        headroom=policy.vram.headroom.value
-        if rules.vram.headroom is policy.vram.headroom
-        else f"{rules.vram.headroom.value} until idle free memory is measured, then {policy.vram.headroom.value}",
-        transient_cap_bytes=cap,
-        max_prompt_tokens=max_prompt,
-        limited_by=tightest.by if tightest else None,
-        prompt_limits=tuple(limits),
-        projections=tuple(projections),
-        engine_queue_max_requests=policy.engine_queue.max_requests,
-        pending_prefill_max_tokens=policy.pending_prefill.max_tokens,
-        hold_max_held=policy.hold.max_held,
-        hold_max_wait_s=policy.hold.max_wait_s,
-        on_stale=_on_stale(policy),
-        idle_free=_idle_free(policy, rules),
-        monitor=_monitor(policy),
-    )
+        out.append(Projection(n, _transient(rules, chunk, n), fits, note))
+    return tuple(out)
 
 
 def _idle_free(policy: Policy, rules: Rules) -> str:
