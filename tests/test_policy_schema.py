@@ -4,10 +4,18 @@ schema's mutants."""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
+import yaml
 
 from sidecar.policy.schema import PolicyError
 from tests.conftest import small_policy
+
+
+def small_policy_text() -> str:
+    return yaml.safe_dump(yaml.safe_load(small_policy().policy.model_dump_json()))
 
 
 def refusal(**overrides: object) -> str:
@@ -30,3 +38,102 @@ def test_a_signal_is_polled_faster_than_it_goes_stale(signal: str) -> None:
     assert small_policy(**{f"{signal}__poll_interval_s": 4.9, f"{signal}__max_age_s": 5}).policy
     why = refusal(**{f"{signal}__poll_interval_s": 5, f"{signal}__max_age_s": 5})
     assert signal in why and "poll_interval_s (5.0) must be below max_age_s (5.0)" in why
+
+
+def problem(**overrides: object) -> str:
+    """The one problem of a policy that contradicts itself, without its ``<test>:line: `` prefix."""
+    with pytest.raises(PolicyError) as e:
+        small_policy(**overrides)
+    (only,) = e.value.problems
+    return only.split(": ", 1)[1]
+
+
+def test_format_size_speaks_mib_and_from_ten_gib_up_gib() -> None:
+    from sidecar.policy.schema import format_size
+
+    mib, gib = 1 << 20, 1 << 30
+    assert format_size(None) == "unknown"
+    assert format_size(1234 * mib) == "1,234 MiB"
+    assert format_size(1.4 * mib) == "1 MiB"
+    assert format_size(10 * gib - 1) == "10,240 MiB"
+    assert format_size(10 * gib) == "10.0 GiB"
+    assert format_size(-10 * gib) == "-10.0 GiB"
+    assert format_size(12_345.25 * gib) == "12,345.2 GiB"
+
+
+def test_a_calibrated_ratio_may_equal_the_margin_not_exceed_it() -> None:
+    assert small_policy(cost__margin=1.2, cost__calibrated_ratio=1.2).policy
+    assert problem(cost__margin=1.2, cost__calibrated_ratio=1.25) == (
+        "cost.calibrated_ratio: 1.25 is above cost.margin (1.2): the margin would not cover what the "
+        "calibration saw (calibrate writes margin = calibrated_ratio x (1 + safety))"
+    )
+
+
+def test_a_reserve_must_stay_below_the_idle_figure() -> None:
+    budget = dict(vram__headroom="idle_budget", vram__idle_free_bytes="100MiB")
+    assert small_policy(**budget, vram__reserve_bytes=100 * 2**20 - 1).policy
+    assert problem(**budget, vram__reserve_bytes="100MiB") == (
+        "vram.reserve_bytes: 100 MiB is at or above idle_free_bytes (100 MiB): no transient could ever "
+        "fit, every request would be rejected as unfit_request"
+    )
+    assert small_policy(
+        vram__headroom="idle_budget", vram__idle_free_bytes="auto", vram__reserve_bytes="1GiB"
+    )
+
+
+def test_a_zero_transient_cap_is_refused_one_byte_is_not() -> None:
+    assert small_policy(vram__max_transient_bytes=1).policy
+    assert problem(vram__max_transient_bytes=0) == (
+        "vram.max_transient_bytes: 0 bytes: every request would be rejected as unfit_request"
+    )
+
+
+def test_the_kv_reserve_must_stay_below_the_pool() -> None:
+    assert small_policy(kv__reserve_tokens=99_999).policy  # the pool is 100,000
+    assert problem(kv__reserve_tokens=100_000) == (
+        "kv.reserve_tokens: 100,000 tokens is at or above the KV pool (lane.kv_pool_tokens 100,000): every "
+        "request would be rejected as unfit_request"
+    )
+    assert small_policy(lane__kv_pool_tokens=None, kv__reserve_tokens=10**6).policy  # no pool named
+
+
+def test_the_mamba_reserve_and_one_request_must_fit_the_slots() -> None:
+    assert small_policy(lane__mamba_slots=4, mamba={"slots_per_request": 2, "reserve_slots": 2}).policy
+    assert problem(lane__mamba_slots=4, mamba={"slots_per_request": 2, "reserve_slots": 3}) == (
+        "mamba.reserve_slots: slots_per_request (2) + reserve_slots (3) exceed the pool (lane.mamba_slots "
+        "4): every request would be rejected as unfit_request"
+    )
+    assert small_policy(mamba={"slots_per_request": 2, "reserve_slots": 30}).policy  # no slot count
+
+
+def test_an_auto_idle_figure_that_is_not_a_size_says_auto_is_allowed() -> None:
+    why = refusal(vram__idle_free_bytes="lots")
+    assert "vram.idle_free_bytes" in why and "not a size: 'lots'" in why
+    assert why.endswith("; or auto, to let the sidecar measure it")
+    assert small_policy(vram__idle_free_bytes=" AUTO ").policy.vram.idle_free_auto
+
+
+def test_a_policy_file_is_named_in_its_problems_and_kept_with_its_hash(tmp_path: Path) -> None:
+    from sidecar.policy.schema import load_policy_file
+
+    good = tmp_path / "lane.yaml"
+    text = small_policy_text()
+    good.write_text(text)
+    loaded = load_policy_file(good)
+    assert (loaded.path, loaded.sha256) == (str(good), hashlib.sha256(text.encode()).hexdigest())
+    assert loaded.policy.name == "test-lane"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("max_held: 10", "max_held: -1"))
+    with pytest.raises(PolicyError) as e:
+        load_policy_file(bad)
+    assert e.value.problems[0].startswith(f"{bad}:")
+    variant = loaded.with_section("hold", max_held=3)
+    assert (variant.policy.hold.max_held, variant.sha256, variant.path) == (3, loaded.sha256, loaded.path)
+
+
+def test_an_answer_per_reason_else_the_transient_one() -> None:
+    from sidecar.policy.schema import Answer, Answers
+
+    a = Answers(reasons={"kv_pool": Answer(status=429)})
+    assert a.for_reason("kv_pool").status == 429
+    assert a.for_reason("queue_full") == a.transient and a.transient.status == 503

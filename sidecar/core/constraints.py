@@ -96,23 +96,10 @@ class BatchJoin:
 class JoinPending:
     """No new prefill while a request that has finished its prefill has not joined the running batch.
 
-    Why: SGLang merges a finished prefill batch into the running batch and then runs any prefill it can
-    form before the decode step (``Scheduler.get_next_batch_to_run``: "run prefill first if
-    possible"; evidence S25). The join allocation (``CostModel.join_bytes``) is made in that decode
-    step, and it belongs to a request already streaming: no gate can refuse it any more and the
-    in-flight guard cannot abort it. Admitting a prefill in that window puts the whole prefill in
-    front of the join, stretching the time an unabortable allocation is pending from one decode step
-    to a whole prefill; anything that shrinks the room meanwhile (another process on the card grows,
-    the monitor raises the margin) then finds the join with no way out. Held, the newcomer waits until
-    the last prefill ahead of the join has ended, plus ``cost.join_settle_s`` (0 by default: SGLang
-    launches its next batch before it sends the last one's tokens).
-
-    A prompt of at most one chunk is not held: it adds at most one prefill batch, the unit at which
-    SGLang interleaves prefills and decode steps anyway, and holding every short request for a settle
-    time after every first token would add that much to the time to first token of every request on
-    a lane of short ones. Always a hold (never the VRAM section's ``reject``): the window closes on its
-    own within a decode step. Reason ``vram_headroom``, check ``join_pending``; absent while no join is
-    pending.
+    The join is made in SGLang's next decode step, after any prefill it can form, and nothing can abort it
+    then; a prefill admitted in that window stretches it (``docs/design.md``, a join still pending). A
+    prompt of at most one chunk is not held. Always a hold; reason ``vram_headroom``, check
+    ``join_pending``; absent while no join is pending.
     """
 
     reason = Reason.VRAM_HEADROOM

@@ -1,20 +1,9 @@
 """The bytes one request's prefill allocates outside the KV pool: a sum of named terms, times a margin.
 
-The projection is per prefill chunk, not per prompt: SGLang prefills ``chunked_prefill_size`` tokens at
-a time, so activations scale with ``min(uncached, chunk)``. The last chunk attends over the whole
-request, so two terms grow with the context: temporaries that do on every build, and the full-context
-gather that a bounded-gather build caps (1,024 MiB at 524,288 tokens on the old build, 32 MiB on the
-bounded one). The chunk is projected full at the whole context even where the prompt's last chunk
-alone would be shorter: the engine starts a request in what is left of a shared batch's chunk budget,
-which moves every later chunk boundary, and over the first chunks it can choose a full last one is the
-worst (``tests/test_cost_schedule.py``); only a request known to start its own prefill batch is
-priced by its own schedule (:func:`project_own`, ``decide``). ``max_new_tokens`` never enters the transient. What a
-request allocates when it joins the running batch is not a prefill term: ``CostModel.join_bytes``
-(checked by ``constraints.BatchJoin``).
-
-To add a term: write a function of ``(CostModel, Shape) -> bytes`` below, add it to ``TERMS``, add its
-coefficient to ``CostModel`` (``core/rules.py``), to the policy's ``cost`` section (``policy.py``) and to
-``policy.in_force.rules_of``. Nothing else changes: the demand, the ledger and every constraint read the sum.
+Projected per prefill chunk, the chunk full at the whole context (``docs/design.md``, the cost model,
+says why); ``max_new_tokens`` never enters it, and the batch join is not a prefill term
+(``CostModel.join_bytes``). To add a term: a function of ``(CostModel, Shape) -> bytes`` in ``TERMS``,
+its coefficient in ``CostModel`` and in the policy's ``cost`` section.
 """
 
 from __future__ import annotations

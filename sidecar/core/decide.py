@@ -1,35 +1,10 @@
 """The admission decision: one pure function, ``decide(demand, situation) -> Decision``.
 
-No I/O, no clock reads, no awaits. The live proxy, ``replay``, ``explain`` and the benchmarks all
-call it; what differs between them is only where the situation comes from. Every rule is here, in the
-order it is applied:
-
-1. **draining** - the sidecar is shutting down: everything gets 503 ``draining``.
-2. **unfit_request** - a request that could never fit this lane (longer than the context, larger than
-   the KV pool or the Mamba pool, a transient larger than the lane can ever free). Holding it would
-   only delay the 503.
-3. **engine_unavailable / signals_stale** - without fresh signals the gate is blind; the policy says,
-   per signal, whether blind means hold, reject or admit.
-4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, the batch join, a join still
-   pending, a prefill priced by its own schedule still running, KV pool, Mamba slots, engine queue,
-   pending prefill tokens) - all evaluated, the first failure names the reason, its policy section's
-   ``on_exceed`` says hold or reject. A request that does not get in with a full last chunk at its
-   whole context, but would start its own prefill batch, is judged again priced by its own chunk
-   schedule (``_starts_own_batch``, ``cost.project_own``), and admitted at that price if it fits.
-   A request that waited is admitted only on a GPU reading taken since it began waiting (where the
-   headroom reads the GPU at all): it was held because the lane was short, and a reading from before
-   then cannot show what changed on the card meanwhile (a neighbour that grew while an engine report
-   released it). It waits for the next GPU poll, as ``signals_stale``.
-5. **strict order** - without ``hold.backfill``, a request that would be admitted while an earlier
-   one of equal or higher priority waits, waits behind it (with that one's reason).
-6. **the hold queue's bounds** - a hold becomes ``hold_timeout`` at the request's deadline
-   (``hold.max_wait_s`` after it arrived), and ``queue_full`` for a newcomer when ``hold.max_held``
-   are already held. A newcomer whose expected wait (the work ahead of it at the lane's measured
-   prefill rate, ``expected_wait_s``) already outlasts its deadline is ``hold_timeout`` at once, with
-   Retry-After, instead of parked until then.
-
-A rejection carries Retry-After (``retry_after_s``: the work ahead at the measured prefill rate; none
-for an unfit request); every decision carries the charge that admitting the request books.
+No I/O, no clock reads, no awaits: the live proxy, ``replay``, ``explain`` and the benchmarks all call it.
+The rules, in the order applied: draining, unfit_request, engine_unavailable / signals_stale, the
+constraints (``constraints.CONSTRAINTS``), strict order, the hold queue's bounds (a newcomer whose
+expected wait already outlasts its deadline is ``hold_timeout`` at once); ``docs/design.md`` says why
+each is where it is.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """What the sidecar has admitted and the engine still holds because of it, in two parts.
 
-The engine's gauges lag (they are written at batch boundaries); the ledger does not. A request is
-charged at the instant it is admitted. Its *prefill* part (prefill tokens, KV tokens, the projected
-transient, Mamba slots) is released at its first streamed byte (prefill done), and its *running* part
-(the request in the running batch, and the Mamba slots it keeps until it ends) at the end of its
-response, or on any failure: each term is charged for as long as it is really held. Totals are kept
-incrementally so the decision reads them in O(1); every release is idempotent so no path can release
-twice or leak.
-
-Why the transients are summed, although the engine holds one prefill batch's at a time (SGLang's
-``PrefillAdder``: the request in chunked prefill, whole waiting requests, at most one more cut into its
-first chunk; evidence S22): which requests can share a batch depends on how much of each prompt the
-engine has cached, and the gate's cached count is a lower bound (0 when it cannot tell). A prompt the
-gate sees as cold and long may be all but its last turn cached: it then runs whole in one batch beside
-any other, and its first chunk already attends over the whole cached prefix. So no charge short of the
-sum is safe (charging the largest batch instead let two 442K agent turns with ~412K cached each through
-together on the H200 lane of ``bench/admission.py``, which then crashed; ``tests/test_core_prefill_sum.py``).
+A request's *prefill* part is released at its first streamed byte, its *running* part when it ends;
+totals are kept incrementally (O(1) reads) and every release is idempotent. Why the transients are
+summed, not the largest batch's: ``docs/design.md`` (the ledger).
 """
 
 from __future__ import annotations

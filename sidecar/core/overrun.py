@@ -1,43 +1,10 @@
 """The in-flight prefill guard: which admitted requests, still prefilling, must be aborted now.
 
-Why: a long prompt is prefilled chunk by chunk for seconds to minutes, and its transient grows with the
-context to its peak at the last chunk. The admission priced that peak with the rules of its instant.
-Two things can make it wrong while the prefill runs: the rules tighten (the under-prediction monitor,
-``sidecar/admission/lane_watch.py``, has seen this lane allocate more than its coefficients say and raised the
-margin) or the room shrinks (another process on the card grew after the request was admitted, which no
-admission-time check can see). A request whose peak no longer fits will kill the engine at its last
-chunk, and every request in flight with it. Aborted before that chunk, it costs only itself: its client
-gets a 503 ``prefill_overrun`` (no header was sent yet: the first byte comes after the prefill), with a
-``Retry-After`` when it would fit an idle lane under the rules now in force, and none when it never
-would (``unfit_request``'s semantics).
-
-**The rule** (:func:`overruns`, one place): every admitted request whose prefill has not finished is
-priced again with the rules now in force (``demand.reprice``: the same projection as the admission;
-one admitted by its own chunk schedule by the cache hit the counters show, :func:`peak`), and their
-peaks are summed, as the ledger sums them at admission (``core/ledger.py`` says why the sum).
-1. one whose repriced peak exceeds the largest transient the lane can ever run (``vram.transient_cap``)
-   is aborted, without Retry-After;
-2. then, while the sum exceeds the room the lane has for prefill transients now (its idle budget less
-   what other processes grew by, less the reserve: ``decide.headroom_bytes`` with nothing booked), or
-   the batch the prefills join when they finish would allocate more than that room
-   (``CostModel.join_bytes`` of every admitted request still running; ``CostModel.at_once``: each is
-   checked alone, as ``constraints.BatchJoin`` does at admission),
-   the youngest is aborted first (the one that has done the least work and came last), and it stops
-   once the rest fits.
-With live NVML free as headroom (``nvml_free``) the room includes what the in-flight prefills already
-hold, which a caching allocator's reading cannot tell apart from its cache; there only step 1 applies.
-
-**Progress** (:class:`PrefillProgress`): SGLang's counter ``sglang:realtime_tokens_total{mode=
-"prefill_compute"}`` grows by each prefill batch's computed tokens, and ``mode="prefill_cache"`` by its
-cache hits (docs/evidence.md S24); the engine prefills in arrival order, so the counters' growth since
-the in-flight prefills began is theirs, first come first served. The monitor then compares a GPU
-reading with what they can allocate at the progress reached (:func:`in_flight_bytes`), not with each
-prefill's final peak; without the counter it keeps comparing with the final peaks. Every estimate errs
-towards a larger projection (more progress, a larger cache hit, a prefill not yet shown as started
-taken at its final peak), so no reading is taken for an under-prediction because progress was
-under-counted: a false finding would raise the margin and starve the lane.
-
-Pure: no I/O, no clock; times are parameters.
+When the rules tighten (the monitor raised the margin) or the room shrinks (another process grew), a
+prefill whose repriced peak no longer fits would kill the engine at its last chunk; aborted before it,
+it costs only itself (503 ``prefill_overrun``). The rule is :func:`overruns`; progress comes from the
+engine's counters (:class:`PrefillProgress`). ``docs/design.md`` gives the reasoning. Pure: no I/O, no
+clock.
 """
 
 from __future__ import annotations
@@ -205,28 +172,9 @@ def final_bytes(d: Demand, cost: CostModel) -> int:
 class PrefillProgress:
     """The engine's prefill counters attributed to the in-flight prefills, first come first served.
 
-    ``sglang:realtime_tokens_total`` counts, per prefill batch, the tokens computed
-    (``prefill_compute``) and those taken from the cache (``prefill_cache``). What the compute counter
-    grew by since ``base`` belongs to the in-flight prefills, the oldest first, each up to its uncached
-    tokens (the gate's count, an upper bound: a prompt the engine found cached computes less, and the
-    surplus lands on the next one, which then looks further on: the safe side). A prefill that leaves
-    (first byte, abort, failure) takes the share attributed to it then into ``base``; with nothing in
-    flight ``base`` follows the counter; a counter that went backwards (a restarted engine) restarts
-    it. The cache counter's growth over the same time bounds any started prefill's cache hit.
-
-    A prefill's end runs at every gated request's first byte, so it is O(1): each in-flight prefill's
-    share is kept (``admitted``, ``left``, ledger keys in admission order) and attributed again only
-    when the counter or ``base`` moves otherwise (``observe``, ``started``). Between two of those the
-    shares cannot change: a newcomer comes last and takes what is spare; a prefill that leaves takes
-    its share into ``base``, which lowers the counted tokens by exactly that share, and a share is
-    non-zero only when every prefill before it is full, so those before it stay full and those after
-    it keep theirs (``done``, the same attribution from a list, is what they are tested against).
-
-    A counter read at ``counter_at`` is older than a GPU reading at ``now``: the engine may have
-    computed up to ``allowance_rate`` tokens per second since (the caller's figure, or twice the rate
-    the counter itself grew at over its last interval, whichever is larger) plus the chunk it may
-    have been finishing as it was read, and they are counted as done too (they never make a prefill
-    count as started: its cache hit would not be counted yet).
+    Each prefill's share is kept as prefills come and go, so a first byte is O(1); a counter older than a
+    GPU reading is advanced by ``allowance_rate``. Every estimate errs towards more progress (the safe side
+    for the monitor). ``docs/design.md`` (progress) says why the attribution is exact between moves.
     """
 
     def __init__(self) -> None:
