@@ -86,7 +86,7 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
     """
     a, now = app.admission, app.clock()
     snap, ledger = a.snapshot, a.ledger.totals
-    e, g = snap.engine, snap.gpu
+    e = snap.engine
     out = {
         "mode": "shadow" if a.shadow else "enforce",
         # true only when started with --trust-emulator-sizes (load generation against the emulator):
@@ -95,46 +95,8 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
         "gate_open": app.gate_open(),
         "draining": a.draining,
         "headroom_bytes": headroom_bytes(a.rules, snap, ledger),
-        "engine": {
-            "running_requests": e.running_requests if e else None,
-            "queue_requests": e.queue_requests if e else None,
-            "full_token_usage": e.full_token_usage if e else None,
-            "swa_token_usage": e.swa_token_usage if e else None,
-            "mamba_usage": e.mamba_usage if e else None,
-            "kv_available_tokens": e.kv_available_tokens if e else None,
-            "mamba_available_slots": e.mamba_available_slots if e else None,
-            "pending_prefill_tokens": e.pending_prefill_tokens if e else None,
-            "chunked_prefill_size": e.chunked_prefill_size if e else None,
-            "version": e.version if e else None,
-            "sources": list(e.sources) if e else [],
-            "age_s": snap.engine_age(now),
-            "consecutive_failures": snap.engine_health.consecutive_failures,
-            "last_error": snap.engine_health.last_error,
-            # Series whose values could not be true in the last reading, which was then refused.
-            "implausible_series": list(app.scraper.last_implausible) if app.scraper else [],
-            "on_stale": a.policy.engine.on_stale.value,
-        },
-        "gpu": {
-            "free_bytes": g.free_bytes if g else None,
-            "total_bytes": g.total_bytes if g else None,
-            "source": g.source if g else (app.gpu_source.spec if app.gpu_source else None),
-            "other_process_bytes": g.other_process_bytes if g else None,
-            "devices": [
-                {
-                    "id": d.ident,
-                    "free_bytes": d.free_bytes,
-                    "total_bytes": d.total_bytes,
-                    "other_process_bytes": d.other_process_bytes,
-                }
-                for d in (g.devices if g else ())
-            ],
-            "headroom_from": a.policy.vram.headroom.value,
-            "age_s": snap.gpu_age(now),
-            "consecutive_failures": snap.gpu_health.consecutive_failures,
-            "last_error": snap.gpu_health.last_error,
-            "required": a.policy.gpu.required,
-            "on_stale": a.policy.gpu.on_stale.value,
-        },
+        "engine": _engine_state(app, now),
+        "gpu": _gpu_state(app, now),
         # What the sidecar measured of its lane: idle free memory (vram.idle_free_bytes: auto) and
         # the under-prediction monitor, with the cost margin in force.
         **_watch_state(a, now),
@@ -150,8 +112,8 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
         "queue": {
             "held": a.held,
             "oldest_wait_s": a.oldest_wait_s(),
-            "max_held": a.policy.hold.max_held,
-            "max_wait_s": a.policy.hold.max_wait_s,
+            "max_held": a.rules.hold.max_held,
+            "max_wait_s": a.rules.hold.max_wait_s,
             # The first held request: the reason it waits for, and what it is projected to allocate.
             **dict(zip(("head_waits_for", "head_projected_bytes"), a.waiting_for(), strict=True)),
         },
@@ -172,18 +134,75 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
         },
     }
     if public:
-        out["engine"]["last_error"] = out["gpu"]["last_error"] = out["gpu"]["source"] = None
-        out["policy"]["path"] = None
-        # Other clients' request ids stay on the admin port.
-        if out["monitor"]["last"] is not None:
-            out["monitor"]["last"]["request_ids"] = None
-        out["monitor"]["margin"]["why"] = None
-        if out["guard"]["last"] is not None:
-            out["guard"]["last"]["request_id"] = None
-        for key in ("last_reload", "last_failure"):
-            if out["policy"][key] is not None:
-                out["policy"][key] = out["policy"][key] | {"error": None}
+        _scrub(out)
     return out
+
+
+def _engine_state(app: Host, now: float) -> dict[str, Any]:
+    a = app.admission
+    snap = a.snapshot
+    e = snap.engine
+    return {
+        "running_requests": e.running_requests if e else None,
+        "queue_requests": e.queue_requests if e else None,
+        "full_token_usage": e.full_token_usage if e else None,
+        "swa_token_usage": e.swa_token_usage if e else None,
+        "mamba_usage": e.mamba_usage if e else None,
+        "kv_available_tokens": e.kv_available_tokens if e else None,
+        "mamba_available_slots": e.mamba_available_slots if e else None,
+        "pending_prefill_tokens": e.pending_prefill_tokens if e else None,
+        "chunked_prefill_size": e.chunked_prefill_size if e else None,
+        "version": e.version if e else None,
+        "sources": list(e.sources) if e else [],
+        "age_s": snap.engine_age(now),
+        "consecutive_failures": snap.engine_health.consecutive_failures,
+        "last_error": snap.engine_health.last_error,
+        # Series whose values could not be true in the last reading, which was then refused.
+        "implausible_series": list(app.scraper.last_implausible) if app.scraper else [],
+        "on_stale": a.rules.engine.on_stale.value,
+    }
+
+
+def _gpu_state(app: Host, now: float) -> dict[str, Any]:
+    a = app.admission
+    snap = a.snapshot
+    g = snap.gpu
+    return {
+        "free_bytes": g.free_bytes if g else None,
+        "total_bytes": g.total_bytes if g else None,
+        "source": g.source if g else (app.gpu_source.spec if app.gpu_source else None),
+        "other_process_bytes": g.other_process_bytes if g else None,
+        "devices": [
+            {
+                "id": d.ident,
+                "free_bytes": d.free_bytes,
+                "total_bytes": d.total_bytes,
+                "other_process_bytes": d.other_process_bytes,
+            }
+            for d in (g.devices if g else ())
+        ],
+        "headroom_from": a.policy.vram.headroom.value,
+        "age_s": snap.gpu_age(now),
+        "consecutive_failures": snap.gpu_health.consecutive_failures,
+        "last_error": snap.gpu_health.last_error,
+        "required": a.rules.gpu.required,
+        "on_stale": a.rules.gpu.on_stale.value,
+    }
+
+
+def _scrub(out: dict[str, Any]) -> None:
+    """The data port's view: no file paths, source specs, errors or other clients' request ids."""
+    out["engine"]["last_error"] = out["gpu"]["last_error"] = out["gpu"]["source"] = None
+    out["policy"]["path"] = None
+    # Other clients' request ids stay on the admin port.
+    if out["monitor"]["last"] is not None:
+        out["monitor"]["last"]["request_ids"] = None
+    out["monitor"]["margin"]["why"] = None
+    if out["guard"]["last"] is not None:
+        out["guard"]["last"]["request_id"] = None
+    for key in ("last_reload", "last_failure"):
+        if out["policy"][key] is not None:
+            out["policy"][key] = out["policy"][key] | {"error": None}
 
 
 def readiness_of(a: Admission, *, public: bool = False) -> dict[str, Any]:
