@@ -279,6 +279,31 @@ class Proxy:
 
     # -- forwarding ----------------------------------------------------------------------------------
 
+    def _upstream_target(
+        self, scope: Scope, lean: bool, keep_length: bool, length: int | None, request_id: str | None
+    ) -> tuple[Any, Any]:
+        """The engine's target and the request headers to send it. ``lean``: the lean client takes the
+        request's own bytes (target and headers as received, nothing decoded and encoded back)."""
+        if lean:
+            target = self._prefix + scope["raw_path"]
+            if scope.get("query_string"):
+                target += b"?" + scope["query_string"]
+            headers = _request_header_bytes(scope, keep_length)
+            if request_id is not None:
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+            if length is not None:
+                headers.append((b"content-length", b"%d" % length))
+            return target, headers
+        url = self.upstream + scope["raw_path"].decode("latin-1")
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        cim = _request_headers(scope, keep_length=keep_length)
+        if request_id is not None:
+            cim["X-Request-Id"] = request_id
+        if length is not None:
+            cim["Content-Length"] = str(length)
+        return URL(url, encoded=True), cim  # the path and query relayed byte for byte, no re-quoting
+
     async def _forward(
         self,
         scope: Scope,
@@ -301,29 +326,9 @@ class Proxy:
         started = False
         forwarded_at = time.monotonic()
         sized = length is not None and not isinstance(body, bytes | bytearray)
-        target: Any
-        req_headers: Any
-        if session.__class__ is UpstreamClient:
-            # The lean client takes the request's own bytes: target and headers relayed as received,
-            # nothing decoded to str and encoded back, no URL object.
-            target = self._prefix + scope["raw_path"]
-            if scope.get("query_string"):
-                target += b"?" + scope["query_string"]
-            req_headers = _request_header_bytes(scope, keep_length)
-            if request_id is not None:
-                req_headers.append((b"x-request-id", request_id.encode("latin-1")))
-            if sized:
-                req_headers.append((b"content-length", b"%d" % length))
-        else:
-            url = self.upstream + scope["raw_path"].decode("latin-1")
-            if scope.get("query_string"):
-                url += "?" + scope["query_string"].decode("latin-1")
-            target = URL(url, encoded=True)  # relay the path and query byte for byte, no re-quoting
-            req_headers = _request_headers(scope, keep_length=keep_length)
-            if request_id is not None:
-                req_headers["X-Request-Id"] = request_id
-            if sized:
-                req_headers["Content-Length"] = str(length)
+        target, req_headers = self._upstream_target(
+            scope, session.__class__ is UpstreamClient, keep_length, length if sized else None, request_id
+        )
         try:
             async with session.request(
                 scope["method"], target, data=body or None, headers=req_headers, allow_redirects=False
