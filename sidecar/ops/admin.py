@@ -138,21 +138,27 @@ def state(app: Host, *, public: bool = False) -> dict[str, Any]:
     return out
 
 
+_ENGINE_FIELDS = (
+    "running_requests",
+    "queue_requests",
+    "full_token_usage",
+    "swa_token_usage",
+    "mamba_usage",
+    "kv_available_tokens",
+    "mamba_available_slots",
+    "pending_prefill_tokens",
+    "chunked_prefill_size",
+    "version",
+)
+
+
 def _engine_state(app: Host, now: float) -> dict[str, Any]:
     a = app.admission
     snap = a.snapshot
     e = snap.engine
     return {
-        "running_requests": e.running_requests if e else None,
-        "queue_requests": e.queue_requests if e else None,
-        "full_token_usage": e.full_token_usage if e else None,
-        "swa_token_usage": e.swa_token_usage if e else None,
-        "mamba_usage": e.mamba_usage if e else None,
-        "kv_available_tokens": e.kv_available_tokens if e else None,
-        "mamba_available_slots": e.mamba_available_slots if e else None,
-        "pending_prefill_tokens": e.pending_prefill_tokens if e else None,
-        "chunked_prefill_size": e.chunked_prefill_size if e else None,
-        "version": e.version if e else None,
+        # The engine's report as read, each null before the first one.
+        **{name: getattr(e, name) if e else None for name in _ENGINE_FIELDS},
         "sources": list(e.sources) if e else [],
         "age_s": snap.engine_age(now),
         "consecutive_failures": snap.engine_health.consecutive_failures,
