@@ -137,3 +137,53 @@ def test_an_answer_per_reason_else_the_transient_one() -> None:
     a = Answers(reasons={"kv_pool": Answer(status=429)})
     assert a.for_reason("kv_pool").status == 429
     assert a.for_reason("queue_full") == a.transient and a.transient.status == 503
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (True, "a size must be bytes or a string such as 560MiB, got True"),
+        (-1, "a size cannot be negative, got -1"),
+        (2.5, "a size in bytes must be a whole number, got 2.5"),
+        (float("inf"), "a size in bytes must be a whole number, got inf"),
+        ([1], "a size must be bytes or a string such as 560MiB, got list"),
+        ("-1MiB", "a size cannot be negative, got '-1MiB'"),
+        ("lots", "not a size: 'lots' (write plain bytes, or a number with KiB, MiB or GiB)"),
+        ("5Kx", "'5Kx': unknown unit 'Kx'; write plain bytes, or KiB, MiB or GiB"),
+        ("1.5B", "a size in bytes must be a whole number, got '1.5B'"),
+        ("1.5", "a size in bytes must be a whole number, got '1.5'"),
+    ],
+)
+def test_a_size_that_is_not_one_says_why(value: object, message: str) -> None:
+    from sidecar.policy.schema import parse_size
+
+    with pytest.raises(ValueError) as e:
+        parse_size(value)
+    assert str(e.value) == message
+
+
+def test_sizes_in_bytes_and_binary_units() -> None:
+    from sidecar.policy.schema import parse_size
+
+    assert [parse_size(v) for v in (5, 5.0, "5", " 5 B", "1.5KiB", "2MiB", "1GiB")] == [
+        5,
+        5,
+        5,
+        5,
+        1536,
+        2 << 20,
+        1 << 30,
+    ]
+    with pytest.raises(ValueError, match="decimal units"):
+        parse_size("5kb")
+
+
+def test_policy_text_is_named_by_its_source_and_hashed() -> None:
+    from sidecar.policy.schema import load_policy_text
+
+    text = small_policy_text()
+    loaded = load_policy_text(text)
+    assert (loaded.sha256, loaded.path) == (hashlib.sha256(text.encode()).hexdigest(), None)
+    with pytest.raises(PolicyError) as e:
+        load_policy_text(text.replace("max_held: 10", "max_held: -1"))
+    assert e.value.problems[0].startswith("<policy>:")
