@@ -48,7 +48,7 @@ bench-overhead: $(STAMP)
 bench-floor-variants: $(STAMP)
 	$(BIN)/python bench/floor_variants.py $(ARGS)
 
-# Mutation testing of the admission core (sidecar/core/, admission.py, intake.py): about 10 minutes on
+# Mutation testing of the admission core (sidecar/core/, admission/, intake/demand.py, policy/schema.py): about 20 minutes on
 # 2 cores. MUTATION.md lists every surviving mutant and why it is equivalent; scripts/mutation_score.py
 # fails below 90 % or on a survivor it does not list.
 mutation: $(STAMP)

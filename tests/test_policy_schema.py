@@ -187,3 +187,12 @@ def test_policy_text_is_named_by_its_source_and_hashed() -> None:
     with pytest.raises(PolicyError) as e:
         load_policy_text(text.replace("max_held: 10", "max_held: -1"))
     assert e.value.problems[0].startswith("<policy>:")
+
+
+def test_a_policy_file_that_cannot_be_read_is_a_policy_error(tmp_path: Path) -> None:
+    from sidecar.policy.schema import load_policy_file
+
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(PolicyError) as e:  # what check-policy and a reload report as a refused policy
+        load_policy_file(missing)
+    assert e.value.problems == [f"{missing}: cannot read: No such file or directory"]
