@@ -146,7 +146,7 @@ def test_an_answer_per_reason_else_the_transient_one() -> None:
         (-1, "a size cannot be negative, got -1"),
         (2.5, "a size in bytes must be a whole number, got 2.5"),
         (float("inf"), "a size in bytes must be a whole number, got inf"),
-        ([1], "a size must be bytes or a string such as 560MiB, got list"),
+        ([1], "a size must be bytes or a string such as 560MiB, got a list"),
         ("-1MiB", "a size cannot be negative, got '-1MiB'"),
         ("lots", "not a size: 'lots' (write plain bytes, or a number with KiB, MiB or GiB)"),
         ("5Kx", "'5Kx': unknown unit 'Kx'; write plain bytes, or KiB, MiB or GiB"),
