@@ -134,9 +134,10 @@ def test_a_policy_file_is_named_in_its_problems_and_kept_with_its_hash(tmp_path:
 def test_an_answer_per_reason_else_the_transient_one() -> None:
     from sidecar.policy.schema import Answer, Answers
 
-    a = Answers(reasons={"kv_pool": Answer(status=429)})
-    assert a.for_reason("kv_pool").status == 429
-    assert a.for_reason("queue_full") == a.transient and a.transient.status == 503
+    a = Answers(reasons={"kv_pool": Answer(status=507)})
+    assert a.for_reason("kv_pool").status == 507
+    assert a.for_reason("queue_full") == a.transient and a.transient.status == 429
+    assert a.for_reason("engine_unavailable") == a.unavailable and a.unavailable.status == 503
 
 
 @pytest.mark.parametrize(
