@@ -412,13 +412,24 @@ def _opt_int(
         value = int(value)
     if value < minimum:
         raise BadRequest(
-            400, f'field "{where}" must be at least {minimum}, got {value}', "invalid_field", where
+            400,
+            f'field "{where}" must be at least {minimum}, got {_magnitude(value)}',
+            "invalid_field",
+            where,
         )
     if value > maximum:
         raise BadRequest(
-            400, f'field "{where}" must be at most {maximum}, got {value:.3g}', "invalid_field", where
+            400, f'field "{where}" must be at most {maximum}, got {_magnitude(value)}', "invalid_field", where
         )
     return value
+
+
+def _magnitude(value: int) -> str:
+    """An integer as the client would recognise it, never through a float: a 400-digit one overflows
+    a float (``f"{value:.3g}"`` raised OverflowError, a 500). JSON's parser refuses more than 4,300
+    digits, so ``str`` always works here."""
+    text = str(value)
+    return text if len(text) <= 24 else f"an integer of {len(text.lstrip('-'))} digits"
 
 
 def _opt_bool(obj: Mapping[str, Any], key: str, where: str) -> bool:
