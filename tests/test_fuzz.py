@@ -61,6 +61,10 @@ scalars = (
     # Unbounded: 99999999999999999999 and -2**70 are valid JSON integers.
     | st.integers()
     | st.sampled_from([0, -1, 1, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30])
+    # Past a float's range (issue 24: a 400-digit integer in any numeric field was a 500, the error
+    # message formatted it as a float), up to JSON's own 4,300-digit limit.
+    | st.integers(min_value=10**308, max_value=10**4200)
+    | st.integers(min_value=10**308, max_value=10**4200).map(lambda v: -v)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.sampled_from([1e308, -1e308, 5.0, 0.5, -0.0])
     | st.text(max_size=12)
@@ -406,7 +410,7 @@ yaml_values = (
     scalars
     | junk
     | st.sampled_from(
-        ["1GiB", "-1MiB", "1e400", "0x10", "1.5KiB", "9" * 40, "nan", 10**400, 2**64, float("inf")]
+        ["1GiB", "-1MiB", "1e400", "0x10", "1.5KiB", "9" * 40, "nan", 10**400, 10**5000, 2**64, float("inf")]
     )
 )
 
@@ -464,10 +468,36 @@ def test_any_text_is_a_policy_or_a_located_error(text: str) -> None:
     usable(text)
 
 
+# Plain scalars YAML resolves to a type it then cannot construct (issue 24: refused with a traceback
+# only, the refusal counter and last_failure unmoved).
+unconstructible = st.sampled_from([" 2026-02-30", " 2025-13-01", " 1" + "0" * 5000, " 2026-02-29T25:00:00"])
+
+
 @FUZZ
-@given(cut=st.integers(min_value=0, max_value=len(BASE_POLICY)), insert=st.text(max_size=6))
+@given(
+    cut=st.integers(min_value=0, max_value=len(BASE_POLICY)),
+    insert=st.text(max_size=6) | unconstructible,
+)
 def test_an_edited_policy_file_is_a_policy_or_a_located_error(cut: int, insert: str) -> None:
     usable(BASE_POLICY[:cut] + insert + BASE_POLICY[cut + len(insert) :])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param(BASE_POLICY.replace("\nname:", "\nwritten: 2026-02-30\nname:", 1), id="impossible-date"),
+        pytest.param(
+            re.sub(r"\n  max_held: [^\n]*", "\n  max_held: 1" + "0" * 5000, BASE_POLICY), id="5000-digits"
+        ),
+    ],
+)
+def test_a_value_yaml_cannot_construct_is_a_located_error(text: str) -> None:
+    """Issue 24: an impossible date or a 5,000-digit integer raised ValueError out of PyYAML's
+    constructor, which only a traceback reported."""
+    assert text != BASE_POLICY
+    with pytest.raises(PolicyError, match=r"p\.yaml:\d+:\d+: .* cannot be read") as info:
+        load_policy_text(text, "p.yaml")
+    check_policy_error(info.value, "p.yaml")
 
 
 # --- regressions: what the fuzzers found ---------------------------------------------------------

@@ -5,9 +5,10 @@ call it; what differs between them is only where the situation comes from. Every
 order it is applied:
 
 1. **draining** - the sidecar is shutting down: everything gets 503 ``draining``.
-2. **unfit_request** - a request that could never fit this lane (longer than the context, larger than
-   the KV pool or the Mamba pool, a transient larger than the lane can ever free). Holding it would
-   only delay the 503.
+2. **unfit_request** - a request that could never fit this lane (more sequences than the policy, the
+   engine queue limit or the engine's running-request limit allow; longer than the context; larger
+   than the KV pool, its sequences' decode room included, or the Mamba pool; a transient larger than
+   the lane can ever free). Holding it would only delay the 503.
 3. **engine_unavailable / signals_stale** - without fresh signals the gate is blind; the policy says,
    per signal, whether blind means hold, reject or admit.
 4. **the constraints** (``constraints.CONSTRAINTS``: VRAM headroom, the batch join, a join still
@@ -259,6 +260,9 @@ def _judge(
 
 
 def _unfit(demand: Demand, s: Situation, charge: Charge) -> Check | None:
+    too_many = _too_many_sequences(demand, s)
+    if too_many is not None:
+        return too_many
     rules, snap = s.rules, s.snapshot
     e = snap.engine
     name = Reason.UNFIT_REQUEST.value
@@ -272,6 +276,14 @@ def _unfit(demand: Demand, s: Situation, charge: Charge) -> Check | None:
         have = None if pool is None else pool - rules.kv.reserve_tokens
         if have is not None and charge.kv_tokens > have:
             return Check(name, False, charge.kv_tokens, have, "larger than KV pool", "kv_pool")
+    if pool is not None:
+        # The decode room, whatever the prompt's count: every sequence writes at least one output token
+        # into the pool, and the decode reserve of all of them (``Demand.kv_tokens`` less the prompt)
+        # must fit. Not "alone always passes": a request the pool cannot hold is refused at once.
+        have = pool - rules.kv.reserve_tokens
+        decode = max(demand.sequences, demand.kv_tokens - demand.uncached_tokens)
+        if decode > have:
+            return Check(name, False, decode, have, "sequences' decode room larger than KV pool", "kv_pool")
     pool_slots = (e.mamba_total_slots if e else None) or rules.lane.mamba_slots
     m = rules.mamba
     needs = charge.mamba_slots
@@ -282,6 +294,27 @@ def _unfit(demand: Demand, s: Situation, charge: Charge) -> Check | None:
     if cap is not None and charge.projected_bytes > cap and _smallest(demand, s, charge) > cap:
         note = "transient larger than the lane frees"
         return Check(name, False, charge.projected_bytes, cap, note, "transient")
+    return None
+
+
+def _too_many_sequences(demand: Demand, s: Situation) -> Check | None:
+    """More sequences (prompts x samples: ``n``, ``best_of``, a batch) than one request may have: the
+    policy's bound, the engine-queue limit, the engine's running-request limit. Each sequence is an
+    entry in the engine's queue and a running request there, so a request over either limit can never
+    be taken whole, and letting it in alone (the queue limits' old rule) handed SGLang a million."""
+    rules, e = s.rules, s.snapshot.engine
+    running = (e.max_running_requests if e else None) or rules.lane.max_running_requests
+    for limit, have, note in (
+        (
+            "sequences",
+            rules.max_sequences_per_request,
+            "more sequences than limits.max_sequences_per_request",
+        ),
+        ("engine_queue", rules.engine_queue.limit, "more sequences than engine_queue.max_requests"),
+        ("running_requests", running, "more sequences than the engine's max_running_requests"),
+    ):
+        if have is not None and demand.sequences > have:
+            return Check(Reason.UNFIT_REQUEST.value, False, demand.sequences, have, note, limit)
     return None
 
 

@@ -108,6 +108,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ServingLimits] = ServingLimits()
     LINGER_S: ClassVar[float] = 1.0
+    TURN_AWAY_S: ClassVar[float] = 0.2
     _discarding = False
     _on_lost: Callable[[], None] | None = None
 
@@ -124,11 +125,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._overflow: str | None = None
         self._arm_header_deadline()
         if len(self.connections) > self.limits.max_client_connections:
-            # Beyond the cap the descriptor is given back at once, before the client can hold it
-            # idle for a header deadline (uvicorn's limit_concurrency answers only once a request
-            # arrives, and a silent connection never sends one).
-            self._cancel_timers()
-            transport.close()
+            self._turn_away()
+
+    def _turn_away(self) -> None:
+        """Beyond the cap: 503 now and the descriptor back within ``TURN_AWAY_S``, before the client
+        could hold it idle for a header deadline (uvicorn's limit_concurrency answers only once a
+        request arrives, and a silent connection never sends one). What the client sends meanwhile is
+        discarded, so the close does not reset the connection before it has read the answer."""
+        self._cancel_timers()
+        self._discarding = True
+        body = b"connection limit reached (--max-client-connections)"
+        self.transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(self.TURN_AWAY_S, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()

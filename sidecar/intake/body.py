@@ -815,7 +815,11 @@ def _openai(obj: dict[str, Any], kind: str, common: dict[str, Any], declared: bo
         batch_texts=prompt.batch_texts,
         batch_token_ids=prompt.batch_token_ids,
         n_texts=prompt.n_texts,
-        parallel_samples=_opt_int(obj, "n", "n", minimum=1) or 1,
+        # OpenAI's `best_of` generates that many completions server-side and returns the best `n`:
+        # every one of them is a running sequence.
+        parallel_samples=max(
+            _opt_int(obj, "n", "n", minimum=1) or 1, _opt_int(obj, "best_of", "best_of", minimum=1) or 1
+        ),
     )
 
 

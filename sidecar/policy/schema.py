@@ -432,6 +432,9 @@ class Priority(_Strict):
 class Limits(_Strict):
     # A 524,288-token prompt is several MB of text; JSON escaping can double it.
     max_body_bytes: Size = 32 * 1024 * 1024
+    # Sequences one request may ask for (prompts of a batch x `n` / `best_of`): more is unfit_request.
+    # 256: twice the largest `n` OpenAI's API accepts (128); the engine-queue limit usually binds first.
+    max_sequences_per_request: int = Field(default=256, ge=1)
 
 
 # Every route that makes the engine prefill is gated whatever this lists (sidecar/policy/engine_routes.py); a policy
