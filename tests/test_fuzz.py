@@ -50,7 +50,16 @@ FUZZ = settings(
 # Requests through a real lane cost a round trip each: fewer of them.
 FUZZ_HTTP = settings(FUZZ, max_examples=EXAMPLES or 60)
 
-CODES = {"invalid_json", "body_too_large", "invalid_body", "invalid_field", "missing_prompt", "empty_prompt"}
+CODES = {
+    "invalid_json",
+    "body_too_large",
+    "invalid_body",
+    "invalid_field",
+    "missing_prompt",
+    "empty_prompt",
+    "gateway_field",
+    "rid_in_flight",
+}
 LIMIT = 64 * 1024
 
 # --- strategies --------------------------------------------------------------------------------
