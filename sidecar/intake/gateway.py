@@ -4,7 +4,8 @@ stripped before the engine sees the body.
 Why: SGLang takes some fields from whoever sends the body and trusts them. ``bootstrap_host`` /
 ``bootstrap_port`` / ``bootstrap_room`` name the prefill server a disaggregated decode server pulls
 KV cache from; sent to a lane that is not disaggregated, with a long prompt, one exhausted the KV
-pool and killed the server (sgl-project/sglang issue #36855, open). ``routed_dp_rank`` (and its
+pool and killed the server (sgl-project/sglang issue #36855, open); a duplicate client-set
+``bootstrap_room`` crashes both schedulers of a disaggregated pair (#40125, open). ``routed_dp_rank`` (and its
 deprecated ``data_parallel_rank``) and ``disagg_prefill_dp_rank`` pin a request to a data-parallel
 worker, the router's job. ``custom_logit_processor`` is a serialized callable the engine runs when
 started with ``--enable-custom-logit-processor``. The policy's ``gateway_fields`` names them and says
