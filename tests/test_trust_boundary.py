@@ -444,15 +444,25 @@ async def test_the_gate_holds_when_a_gpu_drops_out_of_the_file(tmp_path: Path) -
             {"uuid": "GPU-a", "free_bytes": 193 << 20, "total_bytes": 80 << 30},
             {"uuid": "GPU-b", "free_bytes": 60 << 30, "total_bytes": 80 << 30},
         ]
-        app.gpu_poller.source.fixed.expected = None  # the harness's single-device file: start again with two
+        # The harness starts the lane with a one-device file: give it two, then start the count again.
         gpu_file.write_text(json.dumps({"devices": two}))
+        fixed = app.gpu_poller.source.fixed
+
+        def two_fixed() -> bool:
+            # A poll in flight may still fix the old file's device: start the count again until not.
+            if fixed.expected != ("GPU-a", "GPU-b"):
+                fixed.expected = None
+                return False
+            return True
+
+        await eventually(two_fixed)
         await eventually(
             lambda: app.admission.snapshot.gpu is not None and len(app.admission.snapshot.gpu.devices) == 2
         )
         async with httpx.AsyncClient(timeout=10) as c:
             assert (await c.post(url + "/generate", json=gen_big)).status_code == 503
             gpu_file.write_text(json.dumps({"devices": two[1:]}))
-            await eventually(lambda: app.admission.snapshot.gpu_health.consecutive_failures > 0)
+            await eventually(lambda: "GPU-a missing" in (app.admission.snapshot.gpu_health.last_error or ""))
             r = await c.post(url + "/generate", json=gen_big)
             assert r.status_code == 503, r.text
             state = (await c.get(url.admin + "/admission/state")).json()
