@@ -55,6 +55,9 @@ log = logging.getLogger("sidecar.http.server")
 # pipeline, a tokenizer load, the engine's /metrics, a policy reload. 300 idle connections under
 # `nofile=256` once left the GPU poller with `Too many open files`.
 FD_RESERVE = 64
+# Connections beyond the cap answered 503 at once (each holds its descriptor for TURN_AWAY_S); more than
+# this many beyond it are closed without an answer, so a burst cannot eat FD_RESERVE.
+TURN_AWAY_MAX = 16
 # The admin port serves Prometheus and operators: a few connections, never the data port's thousands.
 ADMIN_MAX_CONNECTIONS = 64
 
@@ -124,7 +127,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._parsed_bytes = 0
         self._overflow: str | None = None
         self._arm_header_deadline()
-        if len(self.connections) > self.limits.max_client_connections:
+        over = len(self.connections) - self.limits.max_client_connections
+        if over > TURN_AWAY_MAX:
+            # A burst: each 503 would hold its descriptor for TURN_AWAY_S and eat the reserve.
+            self._cancel_timers()
+            transport.abort()
+        elif over > 0:
             self._turn_away()
 
     def _turn_away(self) -> None:
