@@ -235,7 +235,7 @@ async def test_a_million_sequences_is_unfit_at_once(tmp_path: Path) -> None:
     ):
         for path, body in bodies:
             r = await c.post(url + path, json=body)
-            assert r.status_code == 503, (path, r.status_code, r.text[:200])
+            assert r.status_code == 413, (path, r.status_code, r.text[:200])
             assert r.headers["x-admission-reason"] == "unfit_request"
             assert "retry-after" not in r.headers
             e = await c.post(
@@ -312,7 +312,7 @@ async def test_the_decode_room_of_every_sequence_must_fit_the_pool(tmp_path: Pat
         httpx.AsyncClient(timeout=10) as c,
     ):
         r = await c.post(url + "/v1/chat/completions", json={**chat, "n": 2})
-        assert r.status_code == 503 and r.headers["x-admission-reason"] == "unfit_request", r.text
+        assert r.status_code == 413 and r.headers["x-admission-reason"] == "unfit_request", r.text
         assert "KV" in r.json()["error"]["message"]
         ok = await c.post(url + "/v1/chat/completions", json={**chat, "n": 2, "max_tokens": 10})
         assert ok.status_code == 200, ok.text
@@ -460,11 +460,11 @@ async def test_the_gate_holds_when_a_gpu_drops_out_of_the_file(tmp_path: Path) -
             lambda: app.admission.snapshot.gpu is not None and len(app.admission.snapshot.gpu.devices) == 2
         )
         async with httpx.AsyncClient(timeout=10) as c:
-            assert (await c.post(url + "/generate", json=gen_big)).status_code == 503
+            assert (await c.post(url + "/generate", json=gen_big)).headers["x-admission-decision"] == "reject"
             gpu_file.write_text(json.dumps({"devices": two[1:]}))
             await eventually(lambda: "GPU-a missing" in (app.admission.snapshot.gpu_health.last_error or ""))
             r = await c.post(url + "/generate", json=gen_big)
-            assert r.status_code == 503, r.text
+            assert r.headers["x-admission-decision"] == "reject", r.text
             state = (await c.get(url.admin + "/admission/state")).json()
             assert "GPU-a missing" in json.dumps(state)
     assert engine.arrived == []
