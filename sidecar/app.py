@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import logging
 import signal
 import time
@@ -38,7 +39,7 @@ from sidecar.ops import learned_file
 from sidecar.ops.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
 from sidecar.ops.loads import LOADS_PATH, LoadsEndpoint
 from sidecar.ops.telemetry import StateCollector, Telemetry, register_process_metrics
-from sidecar.policy.engine_routes import RouteTable, normalize_path
+from sidecar.policy.engine_routes import RouteTable, control_route, normalize_path
 from sidecar.policy.schema import LoadedPolicy, PolicyError
 from sidecar.policy.source import PolicySource
 from sidecar.settings import EXIT_NOT_STARTED
@@ -97,7 +98,8 @@ class SidecarApp:
             on_first_byte=self.telemetry.first_byte,
             trust_declared_sizes=trust_emulator_sizes,
         )
-        self.routes = RouteTable(policy.policy.gated_paths)
+        self.routes = _route_table(policy)
+        self.admin_token = admin_token
         self.policy_source = PolicySource(
             policy_path, self.apply_policy, lambda: self.admission.loaded, self.telemetry.policy_reload
         )
@@ -175,13 +177,45 @@ class SidecarApp:
             return self.loads(scope, receive, send)
         if normalize_path(path) in self.routes.refused:
             return send_response(send, _refused(path))
+        if (control := self.routes.closed(path)) is not None:
+            return send_response(send, _control_closed(control))
         return self.proxy(scope, receive, send, gated=False)
 
     async def _admin_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.admin_host_check is not None and (refusal := self.admin_host_check.refusal(scope["headers"])):
             await send_response(send, refusal)
             return
+        if scope["path"] not in ADMIN_PATHS and control_route(scope["path"]) is not None:
+            await self._relay_control(scope, receive, send)
+            return
         await _with_bounded_body(self.admin, scope, receive, send)
+
+    async def _relay_control(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """An engine control route on the admin port: relayed to the engine with the admin bearer token,
+        as a policy upload is (403 without --admin-token-file, 401 without the token). The token is
+        the sidecar's: it is not sent on to the engine."""
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "unknown client"
+        if self.admin_token is None:
+            log.warning("engine control route %s from %s refused (403): no admin token", scope["path"], who)
+            await send_response(
+                send, error_response(403, "engine control routes need --admin-token-file", "disabled")
+            )
+            return
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if not hmac.compare_digest(auth, b"Bearer " + self.admin_token.encode()):
+            log.warning("engine control route %s from %s refused (401): bad token", scope["path"], who)
+            await send_response(send, error_response(401, "missing or wrong bearer token", "unauthorized"))
+            return
+        log.info(
+            "engine control route %s %s relayed for %s",
+            scope["method"],
+            scope["path"],
+            who,
+            extra={"fields": {"event": "control_route", "path": scope["path"], "client": who}},
+        )
+        headers = [(k, v) for k, v in scope["headers"] if k != b"authorization"]
+        await self.proxy({**scope, "headers": headers}, receive, send, gated=False)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -435,7 +469,7 @@ class SidecarApp:
     def _swap_policy(self, loaded: LoadedPolicy, config: CounterConfig, tokenizer: Any) -> None:
         self.counter.swap(config, tokenizer)
         self.admission.reload(loaded)
-        self.routes = RouteTable(loaded.policy.gated_paths)
+        self.routes = _route_table(loaded)
         # Pollers read their interval before each sleep: the new cadence applies from the next poll.
         if self.scraper is not None:
             self.scraper.interval_s = self.admission.rules.engine.poll_interval_s
@@ -517,6 +551,20 @@ def _not_a_path(scope: Scope) -> Response:
     if scope["method"] == "OPTIONS" and scope["path"] == "*":
         return 204, [(b"allow", b"GET, HEAD, POST, PUT, OPTIONS")], b""
     return error_response(400, "the request target must be a path starting with /", "invalid_target")
+
+
+def _control_closed(route: str) -> Response:
+    return error_response(
+        403,
+        f"{route} is one of SGLang's control routes: closed on the data port. An operator reaches it on "
+        "the admin port with the admin token; a policy opens it here with routes.open",
+        "engine_control_route",
+    )
+
+
+def _route_table(loaded: LoadedPolicy) -> RouteTable:
+    p = loaded.policy
+    return RouteTable(p.gated_paths, open_control=p.routes.open)
 
 
 def _refused(path: str) -> Response:

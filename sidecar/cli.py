@@ -555,7 +555,7 @@ def run_uvicorn(
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=2,
-            **uvicorn_options(limits or ServingLimits(), forwarded_allow_ips),
+            **uvicorn_options(limits or ServingLimits(), forwarded_allow_ips, admin=True),
         )
     )
 

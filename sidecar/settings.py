@@ -169,8 +169,8 @@ class Settings(BaseSettings):
     max_client_connections: int = _opt(
         2048,
         ge=1,
-        help="open client connections (and in-flight requests) before new ones get 503; keep it below "
-        "the process's file-descriptor limit",
+        help="open client connections: one beyond it is closed at once, a request beyond it gets 503; "
+        "lowered at start to fit the descriptor limit (2 per connection + 128 kept free)",
         metavar="N",
     )
 

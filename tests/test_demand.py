@@ -82,11 +82,16 @@ def test_a_request_wider_than_the_mamba_pool_is_unfit(clock: ManualClock) -> Non
     assert r.decision.reason is Reason.UNFIT_REQUEST
 
 
-def test_a_request_alone_is_never_held_by_the_engine_queue(clock: ManualClock) -> None:
-    """Wider than max_requests but alone: admitted (it would otherwise wait for ever)."""
+def test_a_request_wider_than_the_engine_queue_is_unfit_even_alone(clock: ManualClock) -> None:
+    """Issue 24: wider than max_requests was admitted alone ("it would otherwise wait for ever"), so
+    `n: 1000000` reached SGLang. Such a request can never be taken whole: unfit at once, no hold."""
     a = Admission(small_policy(**LANE), clock)
     a.update_snapshot(snapshot(clock()))
-    assert submit(a, demand.build(a.rules, 10, arrived_at=clock(), samples=20)).admitted
+    r = submit(a, demand.build(a.rules, 10, arrived_at=clock(), samples=20))
+    assert r.outcome is Outcome.REJECTED and r.decision is not None
+    assert r.decision.reason is Reason.UNFIT_REQUEST
+    assert r.decision.checks[0].limit == "engine_queue"
+    assert submit(a, demand.build(a.rules, 10, arrived_at=clock(), samples=10)).admitted
 
 
 def test_reprice_keeps_the_request_and_reprices_its_cost() -> None:

@@ -50,7 +50,16 @@ FUZZ = settings(
 # Requests through a real lane cost a round trip each: fewer of them.
 FUZZ_HTTP = settings(FUZZ, max_examples=EXAMPLES or 60)
 
-CODES = {"invalid_json", "body_too_large", "invalid_body", "invalid_field", "missing_prompt", "empty_prompt"}
+CODES = {
+    "invalid_json",
+    "body_too_large",
+    "invalid_body",
+    "invalid_field",
+    "missing_prompt",
+    "empty_prompt",
+    "gateway_field",
+    "rid_in_flight",
+}
 LIMIT = 64 * 1024
 
 # --- strategies --------------------------------------------------------------------------------
@@ -61,6 +70,10 @@ scalars = (
     # Unbounded: 99999999999999999999 and -2**70 are valid JSON integers.
     | st.integers()
     | st.sampled_from([0, -1, 1, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30])
+    # Past a float's range (issue 24: a 400-digit integer in any numeric field was a 500, the error
+    # message formatted it as a float), up to JSON's own 4,300-digit limit.
+    | st.integers(min_value=10**308, max_value=10**4200)
+    | st.integers(min_value=10**308, max_value=10**4200).map(lambda v: -v)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.sampled_from([1e308, -1e308, 5.0, 0.5, -0.0])
     | st.text(max_size=12)
@@ -385,6 +398,48 @@ def test_fuzzed_bodies_through_the_proxy_never_answer_500(
     assert app.admission.ledger.totals.requests == 0 and app.admission.held == 0
 
 
+def _raw_exchange(url: str, request: bytes) -> bytes:
+    """One raw request in one write (a client library would split or refuse it), the whole answer."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@FUZZ_HTTP
+@given(
+    count=st.integers(min_value=0, max_value=12_000),
+    name=st.sampled_from([b"a", b"x-h", b"accept"]),
+    value=st.binary(min_size=0, max_size=3).map(lambda b: b.hex().encode()),
+)
+def test_many_small_headers_never_reach_the_engine_past_the_limit(
+    live_lane: tuple[str, Any], count: int, name: bytes, value: bytes
+) -> None:
+    """Issue 24: 9,000 small headers (~100 KiB) in one write reached the engine, the limit counted only
+    after httptools had parsed them all. Any count of headers in one write: at most 100 get in,
+    more answer 431 before the app, never a 5xx."""
+    url, app = live_lane
+    before = outcomes_total(app)
+    body = b'{"text": "hi", "stream": false}'
+    headers = b"".join(name + b"%d: " % i + value + b"\r\n" for i in range(count))
+    request = (
+        b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: %d\r\n%s\r\n%s" % (len(body), headers, body)
+    )
+    answer = _raw_exchange(url, request)
+    status = int(answer.split(b" ", 2)[1])
+    if count + 4 > 100:
+        assert status == 431, answer[:200]
+        assert outcomes_total(app) == before  # the app never saw it
+    else:
+        assert status < 500 or b"x-admission-reason" in answer, answer[:300]
+
+
 # --- policies ----------------------------------------------------------------------------------
 
 BASE_POLICY = (POLICIES / "h200-generic.yaml").read_text(encoding="utf-8")
@@ -406,7 +461,7 @@ yaml_values = (
     scalars
     | junk
     | st.sampled_from(
-        ["1GiB", "-1MiB", "1e400", "0x10", "1.5KiB", "9" * 40, "nan", 10**400, 2**64, float("inf")]
+        ["1GiB", "-1MiB", "1e400", "0x10", "1.5KiB", "9" * 40, "nan", 10**400, 10**5000, 2**64, float("inf")]
     )
 )
 
@@ -464,10 +519,36 @@ def test_any_text_is_a_policy_or_a_located_error(text: str) -> None:
     usable(text)
 
 
+# Plain scalars YAML resolves to a type it then cannot construct (issue 24: refused with a traceback
+# only, the refusal counter and last_failure unmoved).
+unconstructible = st.sampled_from([" 2026-02-30", " 2025-13-01", " 1" + "0" * 5000, " 2026-02-29T25:00:00"])
+
+
 @FUZZ
-@given(cut=st.integers(min_value=0, max_value=len(BASE_POLICY)), insert=st.text(max_size=6))
+@given(
+    cut=st.integers(min_value=0, max_value=len(BASE_POLICY)),
+    insert=st.text(max_size=6) | unconstructible,
+)
 def test_an_edited_policy_file_is_a_policy_or_a_located_error(cut: int, insert: str) -> None:
     usable(BASE_POLICY[:cut] + insert + BASE_POLICY[cut + len(insert) :])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param(BASE_POLICY.replace("\nname:", "\nwritten: 2026-02-30\nname:", 1), id="impossible-date"),
+        pytest.param(
+            re.sub(r"\n  max_held: [^\n]*", "\n  max_held: 1" + "0" * 5000, BASE_POLICY), id="5000-digits"
+        ),
+    ],
+)
+def test_a_value_yaml_cannot_construct_is_a_located_error(text: str) -> None:
+    """Issue 24: an impossible date or a 5,000-digit integer raised ValueError out of PyYAML's
+    constructor, which only a traceback reported."""
+    assert text != BASE_POLICY
+    with pytest.raises(PolicyError, match=r"p\.yaml:\d+:\d+: .* cannot be read") as info:
+        load_policy_text(text, "p.yaml")
+    check_policy_error(info.value, "p.yaml")
 
 
 # --- regressions: what the fuzzers found ---------------------------------------------------------

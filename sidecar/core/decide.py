@@ -1,7 +1,8 @@
 """The admission decision: one pure function, ``decide(demand, situation) -> Decision``.
 
 No I/O, no clock reads, no awaits: the live proxy, ``replay``, ``explain`` and the benchmarks all call it.
-The rules, in the order applied: draining, unfit_request, engine_unavailable / signals_stale, the
+The rules, in the order applied: draining, unfit_request (more sequences than the
+policy, the engine queue or its running limit allow included), engine_unavailable / signals_stale, the
 constraints (``constraints.CONSTRAINTS``), strict order, the hold queue's bounds (a newcomer whose
 expected wait already outlasts its deadline is ``hold_timeout`` at once); ``docs/design.md`` says why
 each is where it is.
@@ -237,29 +238,87 @@ def _judge(
 
 
 def _unfit(demand: Demand, s: Situation, charge: Charge) -> Check | None:
-    rules, snap = s.rules, s.snapshot
-    e = snap.engine
-    name = Reason.UNFIT_REQUEST.value
+    """The first limit of this lane the request can never fit (step 2), or None."""
+    for judge in (_too_many_sequences, _too_long_or_too_large, _decode_room, _too_many_mamba_slots, _too_hot):
+        check = judge(demand, s, charge)
+        if check is not None:
+            return check
+    return None
+
+
+def _pool_tokens(s: Situation) -> int | None:
+    e = s.snapshot.engine
+    return (e.max_total_tokens if e else None) or s.rules.lane.kv_pool_tokens
+
+
+def _too_long_or_too_large(demand: Demand, s: Situation, charge: Charge) -> Check | None:
+    """Longer than the context, or larger than the KV pool. An estimated count over-counts on purpose;
+    only an exact count may condemn a request for length."""
+    if not demand.exact:
+        return None
+    rules, e, name = s.rules, s.snapshot.engine, Reason.UNFIT_REQUEST.value
     context_len = (e.context_len if e else None) or rules.lane.context_len
-    pool = (e.max_total_tokens if e else None) or rules.lane.kv_pool_tokens
-    # An estimated count over-counts on purpose; only an exact count may condemn a request for length.
-    if demand.exact:
-        total = demand.prompt_tokens + demand.max_new_tokens
-        if demand.prompt_tokens >= context_len or total > context_len:
-            return Check(name, False, total, context_len, "prompt + max_new_tokens > context", "context")
-        have = None if pool is None else pool - rules.kv.reserve_tokens
-        if have is not None and charge.kv_tokens > have:
-            return Check(name, False, charge.kv_tokens, have, "larger than KV pool", "kv_pool")
-    pool_slots = (e.mamba_total_slots if e else None) or rules.lane.mamba_slots
-    m = rules.mamba
-    needs = charge.mamba_slots
+    total = demand.prompt_tokens + demand.max_new_tokens
+    if demand.prompt_tokens >= context_len or total > context_len:
+        return Check(name, False, total, context_len, "prompt + max_new_tokens > context", "context")
+    pool = _pool_tokens(s)
+    have = None if pool is None else pool - rules.kv.reserve_tokens
+    if have is not None and charge.kv_tokens > have:
+        return Check(name, False, charge.kv_tokens, have, "larger than KV pool", "kv_pool")
+    return None
+
+
+def _too_many_mamba_slots(demand: Demand, s: Situation, charge: Charge) -> Check | None:
+    e, m, needs = s.snapshot.engine, s.rules.mamba, charge.mamba_slots
+    pool_slots = (e.mamba_total_slots if e else None) or s.rules.lane.mamba_slots
     if needs and pool_slots is not None and m is not None and needs > pool_slots - m.reserve_slots:
         have = pool_slots - m.reserve_slots
-        return Check(name, False, needs, have, "more Mamba slots than the pool has", "mamba_slots")
-    cap = rules.vram.transient_cap()
+        note = "more Mamba slots than the pool has"
+        return Check(Reason.UNFIT_REQUEST.value, False, needs, have, note, "mamba_slots")
+    return None
+
+
+def _too_hot(demand: Demand, s: Situation, charge: Charge) -> Check | None:
+    cap = s.rules.vram.transient_cap()
     if cap is not None and charge.projected_bytes > cap and _smallest(demand, s, charge) > cap:
         note = "transient larger than the lane frees"
-        return Check(name, False, charge.projected_bytes, cap, note, "transient")
+        return Check(Reason.UNFIT_REQUEST.value, False, charge.projected_bytes, cap, note, "transient")
+    return None
+
+
+def _decode_room(demand: Demand, s: Situation, charge: Charge) -> Check | None:
+    """The decode room, whatever the prompt's count: every sequence writes at least one output token
+    into the pool, and the decode reserve of all of them (``Demand.kv_tokens`` less the prompt) must
+    fit. Not "alone always passes": a request the pool cannot hold is refused at once."""
+    pool = _pool_tokens(s)
+    if pool is None:
+        return None
+    have = pool - s.rules.kv.reserve_tokens
+    decode = max(demand.sequences, demand.kv_tokens - demand.uncached_tokens)
+    if decode <= have:
+        return None
+    note = "sequences' decode room larger than KV pool"
+    return Check(Reason.UNFIT_REQUEST.value, False, decode, have, note, "kv_pool")
+
+
+def _too_many_sequences(demand: Demand, s: Situation, charge: Charge) -> Check | None:
+    """More sequences (prompts x samples: ``n``, ``best_of``, a batch) than one request may have: the
+    policy's bound, the engine-queue limit, the engine's running-request limit. Each sequence is an
+    entry in the engine's queue and a running request there, so a request over either limit can never
+    be taken whole, and letting it in alone (the queue limits' old rule) handed SGLang a million."""
+    rules, e = s.rules, s.snapshot.engine
+    running = (e.max_running_requests if e else None) or rules.lane.max_running_requests
+    for limit, have, note in (
+        (
+            "sequences",
+            rules.max_sequences_per_request,
+            "more sequences than limits.max_sequences_per_request",
+        ),
+        ("engine_queue", rules.engine_queue.limit, "more sequences than engine_queue.max_requests"),
+        ("running_requests", running, "more sequences than the engine's max_running_requests"),
+    ):
+        if have is not None and demand.sequences > have:
+            return Check(Reason.UNFIT_REQUEST.value, False, demand.sequences, have, note, limit)
     return None
 
 

@@ -43,6 +43,8 @@ class LaneRules:
     kv_pool_tokens: int | None
     mamba_slots: int | None
     chunked_prefill_size: int
+    # SGLang's --max-running-requests when the engine does not report it (``decide._unfit``).
+    max_running_requests: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,3 +247,6 @@ class Rules:
     hold: HoldRules
     monitor: MonitorRules
     guard: GuardRules
+    # The most sequences (prompts x samples) one request may ask for: policy
+    # ``limits.max_sequences_per_request``. More is ``unfit_request`` at once, whatever the lane holds.
+    max_sequences_per_request: int = 256

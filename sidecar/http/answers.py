@@ -136,6 +136,11 @@ def unfit_message(check: Check | None) -> str:
             f"This request can never run on this lane: it needs {need:,} KV cache tokens, {over:,} more "
             f"than the {have:,} this lane's KV pool can ever give one request. Another lane may fit it."
         )
+    if check.limit in _SEQUENCE_LIMITS:
+        return (
+            f"This request asks for {need:,} sequences (prompts x n), {over:,} more than {_SEQUENCE_LIMITS[check.limit]} "
+            f"allows ({have:,}). Send fewer prompts or samples per request."
+        )
     if check.limit == "mamba_slots":
         return (
             f"This request can never run on this lane: it needs {need} Mamba state slots, {over} more "
@@ -146,6 +151,13 @@ def unfit_message(check: Check | None) -> str:
         f"the KV pool, {size_text(over)} more than the {size_text(have)} this lane can ever free "
         "(vram.max_transient_bytes, or idle_free_bytes - reserve_bytes). Another lane may fit it."
     )
+
+
+_SEQUENCE_LIMITS = {
+    "sequences": "the lane's policy (limits.max_sequences_per_request)",
+    "engine_queue": "the engine queue limit (engine_queue.max_requests)",
+    "running_requests": "the engine's max_running_requests",
+}
 
 
 def size_text(n: int) -> str:

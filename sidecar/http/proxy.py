@@ -45,6 +45,7 @@ from sidecar.http.hosts import json_body_refusal
 from sidecar.http.server import DISCONNECT_WATCH
 from sidecar.intake.body import BadRequest, GenerationRequest, parse_generation
 from sidecar.intake.demand import demand_of
+from sidecar.intake.gateway import gateway_fields_in, without_fields
 from sidecar.intake.tokens import PromptCounter, TokenCount
 from sidecar.policy.engine_routes import Route
 
@@ -131,6 +132,8 @@ class Proxy:
         self.admission = admission
         self.counter = counter
         self.session: aiohttp.ClientSession | UpstreamClient | None = None
+        # rids of the gated requests in flight through this sidecar (policy gateway_fields.rid: unique).
+        self._rids: dict[str, int] = {}
 
     # -- entry ---------------------------------------------------------------------------------------
 
@@ -209,15 +212,25 @@ class Proxy:
     async def _admit_and_forward(
         self, scope: Scope, body: _Body, send: Send, handle: Handle, route: Route | None, sent_id: str | None
     ) -> None:
-        admitted = await self._decide(scope, body.data, send, handle, route, sent_id)
-        if admitted is not None:
-            task = asyncio.current_task()
-            assert task is not None
-            handle.on_overrun(lambda h: task.cancel(_OVERRUN))
-            # The parsed request, its count and demand died with _decide's frame; a large body's raw
-            # bytes go once they are written to the engine, not after the minutes a stream takes.
-            extra, forward = admitted
-            await self._forward(scope, body.payload(), send, handle, extra, length=len(body), **forward)
+        rids: list[str] = []
+        try:
+            admitted = await self._decide(scope, body.data, send, handle, route, sent_id, rids)
+            if admitted is not None:
+                task = asyncio.current_task()
+                assert task is not None
+                handle.on_overrun(lambda h: task.cancel(_OVERRUN))
+                # The parsed request, its count and demand died with _decide's frame; a large body's raw
+                # bytes go once they are written to the engine, not after the minutes a stream takes.
+                extra, forward = admitted
+                stripped = forward.pop("body", None)
+                if stripped is not None:
+                    body = _Body(stripped)
+                await self._forward(scope, body.payload(), send, handle, extra, length=len(body), **forward)
+        finally:
+            for rid in rids:
+                left = self._rids.pop(rid) - 1
+                if left:
+                    self._rids[rid] = left
 
     async def _decide(
         self,
@@ -227,8 +240,10 @@ class Proxy:
         handle: Handle,
         route: Route | None,
         sent_id: str | None,
+        rids: list[str],
     ) -> tuple[list[tuple[bytes, bytes]], dict[str, Any]] | None:
-        """Parse, count, decide: the admit headers and _forward's options, or None once answered here."""
+        """Parse, count, decide: the admit headers and _forward's options, or None once answered here.
+        ``rids``: where the request's rids are put once it holds them (the caller lets them go)."""
         a = self.admission
         parse = functools.partial(
             parse_generation,
@@ -250,6 +265,13 @@ class Proxy:
             return None
         # Kept if the client (or a router) sent one; else SGLang's own `rid`; else a fresh one.
         rid = sent_id or _usable_request_id(req.rid) or new_request_id()
+        try:
+            stripped = self._gateway_fields(req, body)
+            self._hold_rids(req, rids)
+        except BadRequest as e:
+            handle.end(Outcome.BAD_REQUEST)
+            await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
+            return None
         count = await self.counter.count(req, admits=self._admits_now(req))
         demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=rid)
         if not await _acquire(handle, demand):
@@ -266,7 +288,47 @@ class Proxy:
             d = handle.shadow_reject
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
             extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
-        return extra, {"request_id": None if sent_id else rid, "measured": req.stream}
+        forward: dict[str, Any] = {"request_id": None if sent_id else rid, "measured": req.stream}
+        if stripped is not None:
+            forward["body"] = stripped
+        return extra, forward
+
+    def _gateway_fields(self, req: GenerationRequest, body: bytes | bytearray) -> bytes | None:
+        """Policy ``gateway_fields``: a client's copy of a gateway-only field refused (400), or the
+        body without it (returned), or None when there is nothing to do."""
+        rules = self.admission.policy.gateway_fields
+        if rules.on_client == "pass":
+            return None
+        found = gateway_fields_in(req.body_obj, rules.names)
+        if not found:
+            return None
+        if rules.on_client == "strip":
+            return without_fields(body, found)
+        raise BadRequest(
+            400,
+            f'field "{found[0]}" may be set only by a trusted gateway on this lane (policy '
+            "gateway_fields); send the request without it",
+            "gateway_field",
+            found[0],
+        )
+
+    def _hold_rids(self, req: GenerationRequest, rids: list[str]) -> None:
+        """Policy ``gateway_fields.rid: unique``: a rid already in flight is refused (400)."""
+        if self.admission.policy.gateway_fields.rid != "unique" or not req.rids:
+            return
+        taken = next((r for r in req.rids if r in self._rids), None)
+        if taken is None and len(set(req.rids)) < len(req.rids):
+            taken = next(r for r in req.rids if req.rids.count(r) > 1)
+        if taken is not None:
+            raise BadRequest(
+                400,
+                f'rid "{taken[:64]}" is already in flight on this lane; use a fresh rid',
+                "rid_in_flight",
+                "rid",
+            )
+        for r in req.rids:
+            self._rids[r] = self._rids.get(r, 0) + 1
+            rids.append(r)
 
     def _admits_now(self, req: GenerationRequest) -> Callable[[TokenCount], bool]:
         """Would ``req`` be admitted now at this count? The counter tokenizes only when the answer is no."""

@@ -23,9 +23,11 @@ transports buffer streams and hide disconnects).
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import uvicorn
@@ -39,9 +41,56 @@ class ServingLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_header_bytes: int = 64 * 1024
+    # Header fields per request, counted as the parser reads each one: one write of 9,000 small
+    # headers (~100 KiB) was parsed whole and reached the engine before the byte count looked.
+    max_header_count: int = 100
     # Connections (and in-flight requests) before new ones get 503; keep it below the fd limit.
     max_client_connections: int = 2048
     keep_alive_s: int = 5
+
+
+log = logging.getLogger("sidecar.http.server")
+
+# Descriptors kept free whatever the clients do: the pollers' sockets and the GPU file, the log
+# pipeline, a tokenizer load, the engine's /metrics, a policy reload. 300 idle connections under
+# `nofile=256` once left the GPU poller with `Too many open files`.
+FD_RESERVE = 64
+# Connections beyond the cap answered 503 at once (each holds its descriptor for TURN_AWAY_S); more than
+# this many beyond it are closed without an answer, so a burst cannot eat FD_RESERVE.
+TURN_AWAY_MAX = 16
+# The admin port serves Prometheus and operators: a few connections, never the data port's thousands.
+ADMIN_MAX_CONNECTIONS = 64
+
+
+def fit_to_descriptors(
+    limits: ServingLimits, *, admin: bool = False, soft: int | None = None
+) -> ServingLimits:
+    """``limits`` with ``max_client_connections`` lowered to what the process's descriptor limit holds.
+
+    A data-port connection may hold an upstream connection to the engine as well, so each counts
+    twice; the admin port's connections and ``FD_RESERVE`` are set aside first. With the deploy files'
+    ``LimitNOFILE=8192`` the default 2,048 fits; under a smaller limit the cap is lowered and logged.
+    """
+    if admin:
+        return replace(
+            limits, max_client_connections=min(limits.max_client_connections, ADMIN_MAX_CONNECTIONS)
+        )
+    if soft is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return limits
+    fit = max(1, (soft - FD_RESERVE - ADMIN_MAX_CONNECTIONS) // 2)
+    if fit >= limits.max_client_connections:
+        return limits
+    log.warning(
+        "max_client_connections lowered from %d to %d: the descriptor limit (nofile) is %d; raise it "
+        "(LimitNOFILE, ulimit -n) to %d for the configured figure",
+        limits.max_client_connections,
+        fit,
+        soft,
+        2 * limits.max_client_connections + FD_RESERVE + ADMIN_MAX_CONNECTIONS,
+    )
+    return replace(limits, max_client_connections=fit)
 
 
 # The scope key under which the guarded protocol offers watch_disconnect / unwatch_disconnect.
@@ -62,6 +111,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ServingLimits] = ServingLimits()
     LINGER_S: ClassVar[float] = 1.0
+    TURN_AWAY_S: ClassVar[float] = 0.2
     _discarding = False
     _on_lost: Callable[[], None] | None = None
 
@@ -73,7 +123,33 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._body_due: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._header_count = 0
+        self._parsed_bytes = 0
+        self._overflow: str | None = None
         self._arm_header_deadline()
+        over = len(self.connections) - self.limits.max_client_connections
+        if over > TURN_AWAY_MAX:
+            # A burst: each 503 would hold its descriptor for TURN_AWAY_S and eat the reserve.
+            self._cancel_timers()
+            transport.abort()
+        elif over > 0:
+            self._turn_away()
+
+    def _turn_away(self) -> None:
+        """Beyond the cap: 503 now and the descriptor back within ``TURN_AWAY_S``, before the client
+        could hold it idle for a header deadline (uvicorn's limit_concurrency answers only once a
+        request arrives, and a silent connection never sends one). What the client sends meanwhile is
+        discarded, so the close does not reset the connection before it has read the answer."""
+        self._cancel_timers()
+        self._discarding = True
+        body = b"connection limit reached (--max-client-connections)"
+        self.transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(self.TURN_AWAY_S, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
@@ -183,7 +259,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if over and not self.transport.is_closing() and not self._discarding:
             self._refuse(431, f"request headers over {self.limits.max_header_bytes:,} bytes")
 
+    def on_url(self, url: bytes) -> None:
+        self._parsed_bytes += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """Count each header as the parser reads it, so the limits hold inside one write: a raise
+        here stops httptools before the headers complete (the app never sees the request), and
+        :meth:`send_400_response` answers 431 instead of uvicorn's 400."""
+        self._header_count += 1
+        self._parsed_bytes += len(name) + len(value) + 4
+        limits = self.limits
+        if self._header_count > limits.max_header_count:
+            self._overflow = f"more than {limits.max_header_count} request header fields"
+        elif self._parsed_bytes > limits.max_header_bytes:
+            self._overflow = f"request headers over {limits.max_header_bytes:,} bytes"
+        if self._overflow is not None:
+            raise _HeaderOverflow(self._overflow)
+        super().on_header(name, value)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._overflow is None:
+            super().send_400_response(msg)
+        elif not self._discarding:
+            self._refuse(431, self._overflow)
+
     def on_message_begin(self) -> None:
+        self._header_count = 0
+        self._parsed_bytes = 0
         super().on_message_begin()
         self._in_headers = True
         self._arm_header_deadline()
@@ -210,12 +313,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
 
+class _HeaderOverflow(Exception):
+    """Raised inside the parser's header callback to stop it at the limit."""
+
+
 def guarded_protocol(limits: ServingLimits) -> type[GuardedHttpToolsProtocol]:
     """A protocol class bound to ``limits`` (uvicorn takes a class, not an instance)."""
     return type("GuardedHttpTools", (GuardedHttpToolsProtocol,), {"limits": limits})
 
 
-def uvicorn_options(limits: ServingLimits, forwarded_allow_ips: str | None = None) -> dict[str, Any]:
+def uvicorn_options(
+    limits: ServingLimits, forwarded_allow_ips: str | None = None, *, admin: bool = False
+) -> dict[str, Any]:
     """The uvicorn.Config arguments that apply ``limits``.
 
     ``forwarded_allow_ips``: the proxies whose ``X-Forwarded-For`` / ``X-Forwarded-Proto`` rewrite a
@@ -225,6 +334,7 @@ def uvicorn_options(limits: ServingLimits, forwarded_allow_ips: str | None = Non
     address in the access log, and costs every request (and every resumption of a streaming one) a
     middleware frame that only the access log's ``client`` field reads.
     """
+    limits = fit_to_descriptors(limits, admin=admin)
     options: dict[str, Any] = {
         "http": guarded_protocol(limits),
         "limit_concurrency": limits.max_client_connections,
@@ -244,6 +354,7 @@ async def serve_app(
     *,
     lifespan: str = "on",
     limits: ServingLimits | None = None,
+    admin: bool = False,
 ) -> AsyncIterator[str]:
     """Serve ``app``; yield its base URL. Port 0 lets the OS pick a free one. Start-up errors raise."""
     config = uvicorn.Config(
@@ -256,7 +367,7 @@ async def serve_app(
         access_log=False,
         log_config=None,  # lines go through the process's logging, not uvicorn's own handlers
         timeout_graceful_shutdown=2,
-        **(uvicorn_options(limits) if limits is not None else {"proxy_headers": False}),
+        **(uvicorn_options(limits, admin=admin) if limits is not None else {"proxy_headers": False}),
     )
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -286,6 +397,6 @@ async def serve_sidecar(
     pollers) and the admin port (``app.admin_asgi``); yield both base URLs, each on a free port."""
     async with (
         serve_app(app, host, limits=limits) as url,
-        serve_app(app.admin_asgi, host, lifespan="off", limits=limits) as admin_url,
+        serve_app(app.admin_asgi, host, lifespan="off", limits=limits, admin=True) as admin_url,
     ):
         yield url, admin_url

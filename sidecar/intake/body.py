@@ -412,13 +412,24 @@ def _opt_int(
         value = int(value)
     if value < minimum:
         raise BadRequest(
-            400, f'field "{where}" must be at least {minimum}, got {value}', "invalid_field", where
+            400,
+            f'field "{where}" must be at least {minimum}, got {_magnitude(value)}',
+            "invalid_field",
+            where,
         )
     if value > maximum:
         raise BadRequest(
-            400, f'field "{where}" must be at most {maximum}, got {value:.3g}', "invalid_field", where
+            400, f'field "{where}" must be at most {maximum}, got {_magnitude(value)}', "invalid_field", where
         )
     return value
+
+
+def _magnitude(value: int) -> str:
+    """An integer as the client would recognise it, never through a float: a 400-digit one overflows
+    a float (``f"{value:.3g}"`` raised OverflowError, a 500). JSON's parser refuses more than 4,300
+    digits, so ``str`` always works here."""
+    text = str(value)
+    return text if len(text) <= 24 else f"an integer of {len(text.lstrip('-'))} digits"
 
 
 def _opt_bool(obj: Mapping[str, Any], key: str, where: str) -> bool:
@@ -804,7 +815,11 @@ def _openai(obj: dict[str, Any], kind: str, common: dict[str, Any], declared: bo
         batch_texts=prompt.batch_texts,
         batch_token_ids=prompt.batch_token_ids,
         n_texts=prompt.n_texts,
-        parallel_samples=_opt_int(obj, "n", "n", minimum=1) or 1,
+        # OpenAI's `best_of` generates that many completions server-side and returns the best `n`:
+        # every one of them is a running sequence.
+        parallel_samples=max(
+            _opt_int(obj, "n", "n", minimum=1) or 1, _opt_int(obj, "best_of", "best_of", minimum=1) or 1
+        ),
     )
 
 

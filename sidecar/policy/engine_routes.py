@@ -14,6 +14,7 @@ dropping a trailing slash and resolving dot segments, the way the engine would e
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass
 
 
@@ -67,10 +68,47 @@ LATEST = "0.5.23"
 # than forwarded ungated. `/generate_from_file` (input_embeds, 0.5.3) and audio transcription (0.5.23).
 REFUSED_PATHS = frozenset({"/generate_from_file", "/v1/audio/transcriptions"})
 
-# POST/PUT routes of SGLang that do not prefill (tokenizer, control, weights, profiling): forwarded
-# ungated. Listed so that a route a new SGLang version adds fails the route-table test until someone
-# decides which side it belongs on.
-NOT_PREFILL = frozenset(
+# The routes of SGLang that do not prefill, in two classes (issue 24: any client drove the engine's
+# control routes through the data port, one anonymous POST freed its weights). Every route of every
+# supported version is in exactly one class with the prefill routes and REFUSED_PATHS;
+# tests/test_route_classes.py checks it against tests/fixtures/routes/.
+#
+# SERVING: what an SGLang client or router calls besides generation: health, model and server info,
+# loads, the tokenizer, output parsers, a response's own status and cancel. Forwarded ungated.
+SERVING = frozenset(
+    {
+        "/",
+        "/ping",
+        "/ready",
+        "/health",
+        "/health_generate",
+        "/get_model_info",
+        "/model_info",
+        "/get_server_info",
+        "/server_info",
+        "/get_load",
+        "/v1/loads",
+        "/get_weight_version",
+        "/v1/models",
+        "/v1/models/{model:path}",
+        "/api/tags",
+        "/api/show",
+        "/v1/tokenize",
+        "/tokenize",
+        "/v1/detokenize",
+        "/detokenize",
+        "/v1/messages/count_tokens",
+        "/parse_function_call",
+        "/separate_reasoning",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+    }
+)
+# CONTROL: the operator's routes: memory, weights, LoRA adapters, sessions, caches, profiling, logging,
+# pausing, aborting anyone's request, disaggregation roles, debugging hooks. The data port answers
+# 403 ``engine_control_route`` unless the policy opens one by name (``routes.open``); the admin port
+# relays them with the admin bearer token (SECURITY.md).
+CONTROL = frozenset(
     {
         "/set_internal_state",
         "/flush_cache",
@@ -100,31 +138,87 @@ NOT_PREFILL = frozenset(
         "/close_session",
         "/configure_logging",
         "/abort_request",
-        "/parse_function_call",
-        "/separate_reasoning",
         "/pause_generation",
         "/continue_generation",
-        "/v1/tokenize",
-        "/tokenize",
-        "/v1/detokenize",
-        "/detokenize",
-        "/v1/responses/{response_id}/cancel",
-        "/v1/messages/count_tokens",
         # 0.5.23
         "/add_external_corpus",
         "/remove_external_corpus",
+        "/list_external_corpora",
         "/hicache/storage-backend/clear",
         "/hicache/storage-backend",
+        "/get_hicache_l3_cache_layout",
         "/set_trace_level",
         "/begin_weight_update",
         "/end_weight_update",
         "/weights_checker",
         "/pd_role_switch",
         "/load_lora_adapter_from_tensors",
-        "/api/show",
+        "/get_remote_instance_transfer_engine_info",
+        "/remote_instance_transfer_engine_info",
         "/dumper/{method}",
     }
 )
+# Kept for the route-table test's first question: which POST/PUT routes do not prefill.
+NOT_PREFILL = SERVING | CONTROL
+
+
+# Body fields only a trusted gateway may set (policy gateway_fields.names by default): fields of
+# SGLang's GenerateReqInput, CompletionRequest and ChatCompletionRequest (evidence T4;
+# sidecar/intake/gateway.py says why each).
+DEFAULT_GATEWAY_FIELDS = (
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "routed_dp_rank",
+    "data_parallel_rank",
+    "disagg_prefill_dp_rank",
+    "custom_logit_processor",
+)
+
+
+def _template(path: str) -> re.Pattern[str]:
+    """A route path as the engine's router matches it (``{x}`` one segment, ``{x:path}`` any), after
+    any prefix (an engine mounted under one: ``/lane-a/flush_cache``)."""
+    parts = re.split(r"(\{[^}]+\})", path)
+    body = "".join(
+        (".+" if part.endswith(":path}") else "[^/]+") if part.startswith("{") else re.escape(part)
+        for part in parts
+    )
+    return re.compile(r"(?:/[^?]*)?" + body if path != "/" else "/")
+
+
+_CONTROL_EXACT = frozenset(p for p in CONTROL if "{" not in p)
+_CONTROL_TEMPLATES = tuple((p, _template(p)) for p in sorted(CONTROL) if "{" in p)
+
+
+def control_route(path: str) -> str | None:
+    """The control route ``path`` reaches (its SGLang name), or None. Matched after normalising, and
+    by suffix at a segment boundary, so ``//flush_cache/`` and ``/lane-a/flush_cache`` are caught."""
+    normal = normalize_path(path)
+    if normal in _CONTROL_EXACT:
+        return normal
+    for name in _CONTROL_EXACT:
+        if normal.endswith(name):  # every name starts with "/": a segment boundary
+            return name
+    for name, pattern in _CONTROL_TEMPLATES:
+        if pattern.fullmatch(normal):
+            return name
+    return None
+
+
+def route_class(path: str, version: str = LATEST) -> str:
+    """``prefill``, ``refused``, ``control``, ``serving`` or ``unknown``: which class an SGLang route
+    path (as the route table writes it, templates included) belongs to."""
+    if path in {r.path for r in routes_for(version)}:
+        return "prefill"
+    if path in REFUSED_PATHS:
+        return "refused"
+    if path in CONTROL:
+        return "control"
+    if path in SERVING:
+        return "serving"
+    return "unknown"
 
 
 def routes_for(version: str) -> tuple[Route, ...]:
@@ -157,9 +251,13 @@ def normalize_path(path: str) -> str:
 class RouteTable:
     """Gated paths to their shapes, built once per policy (not per request)."""
 
-    def __init__(self, gated_paths: tuple[str, ...] = (), version: str = LATEST) -> None:
+    def __init__(
+        self, gated_paths: tuple[str, ...] = (), version: str = LATEST, open_control: tuple[str, ...] = ()
+    ) -> None:
         """Every prefill route of ``version`` is gated, whatever the policy lists; ``gated_paths`` adds
-        paths (an engine mounted under a prefix, a route this list does not know yet)."""
+        paths (an engine mounted under a prefix, a route this list does not know yet). ``open_control``:
+        the control routes the policy lets the data port forward (``routes.open``)."""
+        self.open_control = frozenset(open_control)
         by_path = {r.path: r for r in routes_for(version)}
         self.routes: dict[str, Route] = dict(by_path)
         for p in gated_paths:
@@ -177,3 +275,8 @@ class RouteTable:
         if route is None or method not in route.methods:
             return None
         return route
+
+    def closed(self, path: str) -> str | None:
+        """The control route ``path`` reaches when the policy has not opened it (403 on the data port)."""
+        name = control_route(path)
+        return None if name is None or name in self.open_control else name

@@ -50,6 +50,7 @@ def rules_in_force(p: Policy, learned: Learned = NOTHING_LEARNED) -> Rules:
         hold=_view(HoldRules, p.hold),
         monitor=_view(MonitorRules, p.monitor),
         guard=_view(GuardRules, p.guard),
+        max_sequences_per_request=p.limits.max_sequences_per_request,
     )
     # The lane facts measured to differ from the policy's: the safer figure (core/facts.py).
     return _per_device(facts.in_force(rules, learned.facts), learned)

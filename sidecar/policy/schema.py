@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from sidecar.core.decision import Action
 from sidecar.core.rules import ExceedAction, HeadroomSource
-from sidecar.policy.engine_routes import LATEST, PREFILL_ROUTES
+from sidecar.policy.engine_routes import CONTROL, DEFAULT_GATEWAY_FIELDS, LATEST, PREFILL_ROUTES
 from sidecar.policy.priority import PriorityBounds
 from sidecar.policy.yamlfile import ConfigError, load_model, read_text
 
@@ -429,9 +429,45 @@ class Priority(_Strict):
         )
 
 
+class Routes(_Strict):
+    """Which of SGLang's control routes (``sidecar/policy/engine_routes.py: CONTROL``) the data port
+    forwards. None by default: they answer 403 there, and the admin port relays them with the admin
+    token. Name a route to open it to every client of the data port (a trusted lane, a tool that must)."""
+
+    open: tuple[str, ...] = ()
+
+    @field_validator("open")
+    @classmethod
+    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if name not in CONTROL:
+                raise ValueError(
+                    f"{name!r} is not one of SGLang's control routes; they are: " + ", ".join(sorted(CONTROL))
+                )
+        return v
+
+
+class GatewayFields(_Strict):
+    """Body fields only a trusted gateway may set (``sidecar/intake/gateway.py`` says why each).
+
+    ``on_client``: what a request that sets one gets: ``refuse`` (400 naming the field), ``strip``
+    (removed, the rest forwarded) or ``pass`` (a disaggregated lane behind a router that sets them).
+    ``rid``: ``unique`` refuses a request whose ``rid`` is already in flight through this sidecar
+    (400 ``rid_in_flight``: a second request under one rid would share, or take over, the first's
+    state in the engine); ``pass`` forwards it as sent.
+    """
+
+    names: tuple[str, ...] = DEFAULT_GATEWAY_FIELDS
+    on_client: Literal["refuse", "strip", "pass"] = "refuse"
+    rid: Literal["unique", "pass"] = "unique"
+
+
 class Limits(_Strict):
     # A 524,288-token prompt is several MB of text; JSON escaping can double it.
     max_body_bytes: Size = 32 * 1024 * 1024
+    # Sequences one request may ask for (prompts of a batch x `n` / `best_of`): more is unfit_request.
+    # 256: twice the largest `n` OpenAI's API accepts (128); the engine-queue limit usually binds first.
+    max_sequences_per_request: int = Field(default=256, ge=1)
 
 
 # Every route that makes the engine prefill is gated whatever this lists (sidecar/policy/engine_routes.py); a policy
@@ -538,6 +574,8 @@ class Policy(_Strict):
     gpu: Gpu
     hold: Hold
     limits: Limits = Limits()
+    routes: Routes = Routes()
+    gateway_fields: GatewayFields = GatewayFields()
     answers: Answers = Answers()
     priority: Priority = Priority()
     monitor: Monitor = Monitor()

@@ -87,6 +87,11 @@ class PolicySource:
             self._apply(loaded)
         except PolicyError as e:
             return self._record(via, None, str(e))
+        except Exception as e:
+            # Whatever else refuses it (a bug of ours included) is still a refusal: counted, recorded
+            # and alerted on (SidecarPolicyReloadFailing), not a traceback the alert never sees.
+            log.exception("policy reload via %s: unexpected error", via)
+            return self._record(via, None, _unexpected(self.path, e))
         return self._record(via, loaded, None)
 
     # -- the file watch ----------------------------------------------------------------------------
@@ -132,6 +137,11 @@ class PolicySource:
         except PolicyError as e:
             self._record("upload", None, str(e))
             raise UploadRefused(422, "policy_invalid", str(e), e.problems) from None
+        except Exception as e:
+            log.exception("policy reload via upload: unexpected error")
+            message = _unexpected("<POST /admission/policy>", e)
+            self._record("upload", None, message)
+            raise UploadRefused(422, "policy_invalid", message, [message]) from None
         if self.path is None:
             return self._apply_or_refuse(loaded)
         target = Path(self.path).resolve()  # write through a symlink, never replace the link itself
@@ -175,6 +185,11 @@ class PolicySource:
         except PolicyError as e:
             self._record("upload", None, str(e))
             raise UploadRefused(422, "policy_invalid", str(e), e.problems) from None
+        except Exception as e:
+            log.exception("policy reload via upload: unexpected error applying it")
+            message = _unexpected(loaded.path or "<POST /admission/policy>", e)
+            self._record("upload", None, message)
+            raise UploadRefused(422, "policy_invalid", message, [message]) from None
         return self._record("upload", loaded, None)
 
     # -- records -----------------------------------------------------------------------------------
@@ -218,6 +233,11 @@ def file_identity(path: str) -> FileIdentity | None:
     except OSError:
         return None
     return (real, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _unexpected(source: str, e: Exception) -> str:
+    text = str(e).split(";")[0][:200]
+    return f"{source}:1: cannot be applied: {type(e).__name__}: {text}"
 
 
 def _not_writable(target: Path) -> str | None:

@@ -63,6 +63,11 @@ def load_model(text: str, model: type[M], source: str, error: type[ConfigError] 
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else f"{source}:1"
         problem = getattr(e, "problem", None) or str(e)
         raise error(source, [f"{where}: YAML syntax: {problem}"]) from None
+    except (ValueError, OverflowError, TypeError) as e:
+        # A scalar YAML resolves but cannot construct: an impossible date (2026-02-30), an integer
+        # over Python's 4,300-digit conversion limit. Named at its line, like any other problem.
+        assert loader is not None
+        raise error(source, [_unconstructible(loader, root, source, e)]) from None
     except RecursionError:
         # PyYAML composes recursively: a few hundred levels of [[[...]]] exhaust Python's stack.
         assert loader is not None
@@ -91,6 +96,38 @@ def load_model(text: str, model: type[M], source: str, error: type[ConfigError] 
     if problems:
         raise error(source, problems)
     return obj
+
+
+def _unconstructible(loader: yaml.SafeLoader, root: Any, source: str, e: Exception) -> str:
+    """The first scalar under ``root`` that cannot be constructed, as ``file:line:col: value: problem``."""
+    stack = [root] if root is not None else []
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            # The failed construction left the loader's bookkeeping half done: start each afresh.
+            loader.constructed_objects, loader.recursive_objects = {}, {}
+            try:
+                loader.construct_object(node)
+            except (ValueError, OverflowError, TypeError) as problem:
+                mark = node.start_mark
+                shown = node.value if len(node.value) <= 40 else node.value[:20] + "..."
+                return (
+                    f"{source}:{mark.line + 1}:{mark.column + 1}: {shown!r} cannot be read: {_short(problem)}"
+                )
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(item for pair in reversed(node.value) for item in reversed(pair))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(reversed(node.value))
+    return f"{source}:1: a value cannot be read: {_short(e)}"
+
+
+def _short(e: Exception) -> str:
+    text = str(e).split(";")[0]
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 # A policy is a few hundred nodes. Aliases share nodes, so a file of a few lines can stand for billions

@@ -15,6 +15,8 @@ Spec strings (``--gpu-source`` / ``SIDECAR_GPU_SOURCE``):
   ``{"devices": [{"uuid": ..., "free_bytes": N, "total_bytes": N}, ...]}`` to emulate several GPUs.
 
 Headroom is the minimum over the devices (`GpuSignals.free_bytes`): one full GPU stops a TP group.
+The devices are fixed at the first good reading (``FixedDevices``): a later reading that lacks one
+is a failed read, never a higher minimum.
 NVML counts memory held by PyTorch's caching allocator as used, so its free is a conservative view
 of the engine's headroom.
 """
@@ -65,6 +67,33 @@ class GpuSource(Protocol):
     async def aclose(self) -> None:
         """Release what the source holds (NVML handle, HTTP client)."""
         ...
+
+
+class FixedDevices:
+    """The devices a source reported on its first good reading: every later reading must report each
+    of them, or it is a failed read.
+
+    Why: headroom is the minimum over the devices, so a device that drops out of a reading raises it.
+    With two cards in a ``file:`` source, a prompt held at 193 MB of headroom was admitted when one
+    card vanished from the file (64.4 GB, nothing logged); ``dcgm:`` without a UUID list read the same
+    way. NVML resolves its handles once and fails on a lost one; these sources now fail closed too.
+    A device that appears later is kept (the minimum over more devices can only be lower).
+    """
+
+    def __init__(self) -> None:
+        self.expected: tuple[str, ...] | None = None
+
+    def confirm(self, devices: Sequence[DeviceMemory], where: str) -> None:
+        idents = tuple(d.ident for d in devices)
+        if self.expected is None:
+            self.expected = idents
+            return
+        missing = [i for i in self.expected if i not in idents]
+        if missing:
+            raise GpuSourceError(
+                f"{where}: GPU {', '.join(missing)} missing from the reading (the devices are fixed at the "
+                f"first reading: {', '.join(self.expected)}); a reading without a device is a failed read"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,6 +323,7 @@ class DcgmSource:
         self.spec = spec or (f"dcgm:{url}" + ("#" + ",".join(self.uuids) if self.uuids else ""))
         self._owns_client = client is None
         self._client = client if client is not None else make_control_client()
+        self.fixed = FixedDevices()
 
     async def read(self, now: float) -> GpuSignals:
         try:
@@ -311,6 +341,7 @@ class DcgmSource:
         devices = await run_in_signal_thread(
             parse_dcgm, resp.text, self.uuids, where=f"{self.spec}: GET {self.url}"
         )
+        self.fixed.confirm(devices, self.spec)
         return GpuSignals(observed_at=now, source=self.spec, devices=tuple(devices))
 
     async def aclose(self) -> None:
@@ -390,6 +421,7 @@ class FileSource:
         self.spec = spec or f"file:{path}"
         self._seen: tuple[object, ...] | None = None
         self._seen_at = 0.0
+        self.fixed = FixedDevices()
 
     def _read_file(self) -> tuple[tuple[int, int, int], bytes, float]:
         """(inode, size, mtime_ns), the bytes and the mtime of the file; blocking, run in a thread."""
@@ -420,6 +452,7 @@ class FileSource:
         except (OSError, UnicodeDecodeError) as exc:
             raise GpuSourceError(f"{self.spec}: cannot read {self.path}: {exc}") from exc
         devices = parse_gpu_file(text, str(self.path))
+        self.fixed.confirm(devices, self.spec)
         seen = (*fingerprint, data)
         if self._seen is None:
             self._seen_at = now - min(max(0.0, time.time() - mtime), now)
