@@ -22,9 +22,9 @@ from sidecar.calibrate.fit import (
     fit,
     frontier_probes,
     plan_probes,
-    proposal_text,
     run_probes,
 )
+from sidecar.calibrate.proposal import proposal_text
 from sidecar.cli import main
 from sidecar.policy.schema import load_policy_file, load_policy_text
 from sidecar_emulator.engine import EngineModel

@@ -875,35 +875,6 @@ def proposed_cost(fit_: Fit) -> dict[str, object]:
     return out
 
 
-def proposal_text(policy_text: str, fit_: Fit, run: ProbeRun, command: str) -> str:
-    """The policy with the measured cost section and idle free memory; the rest as it was."""
-    import yaml
-
-    data = yaml.safe_load(policy_text) or {}
-    data["cost"] = proposed_cost(fit_)
-    vram = dict(data.get("vram") or {})
-    vram["idle_free_bytes"] = run.idle_free_bytes
-    vram["reserve_bytes"] = fit_.reserve_bytes
-    data["vram"] = vram
-    c = fit_.coefficients
-    header = [
-        f"# Proposed by `{command}`",
-        f"# on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {fit_.usable} usable probes, "
-        f"{run.tokens_sent:,} tokens, {run.duration_s:.0f} s.",
-        f"# Fit (upper envelope): margin {fit_.margin:.3f} = max(1, worst observed/predicted "
-        f"{fit_.envelope_ratio:.3f}, 1 + 3 x noise {fit_.noise_sigma:.3f}) x (1 + safety).",
-        f"# Trusted up to {fit_.largest_prompt_tokens:,}-token prompts (the longest visible probe); beyond "
-        "that the coefficients are extrapolated.",
-        f"# vram.idle_free_bytes: NVML free before the first probe ({run.idle_free_bytes / MiB:,.0f} MiB); "
-        f"reserve_bytes: twice the largest under-prediction seen, at least {MIN_RESERVE // MiB} MiB "
-        f"({fit_.reserve_bytes / MiB:,.0f} MiB).",
-        *(f"# note: {n}" for n in fit_.notes),
-        f"# Join term {(c.batch_join_bytes or 0) / MiB:,.0f} MiB. Review, then install it as the lane's policy.",
-    ]
-    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=110)
-    return "\n".join(header) + "\n" + body
-
-
 _REPORT_TERMS = (
     ("fixed_bytes", "fixed", 1),
     ("activation_bytes_per_chunk_token", "per chunk token", 1),
