@@ -54,15 +54,14 @@ def calibrate_on_card(args: argparse.Namespace, work: Path) -> tuple[Path | None
     return (proposed if proposed.exists() else None), result
 
 
-def exact_policy(scenario_path: Path):  # type: ignore[no-untyped-def]
-    """The scenario's policy with the profile's true coefficients (what the engine model allocates)."""
-    from sidecar.policy.schema import load_policy_file
+def exact_policy(scenario_path: Path, loaded):  # type: ignore[no-untyped-def]
+    """``loaded`` (the proposal, so that only the cost terms, the margin and the reserve differ) with
+    the profile's true coefficients: what the engine model allocates."""
     from sidecar_emulator.probe_lane import true_coefficients
     from sidecar_emulator.profiles import get_profile
     from sidecar_emulator.scenario import load_scenario
 
     sc = load_scenario(scenario_path)
-    loaded = load_policy_file(sc.policy_path(scenario_path.parent))
     t = true_coefficients(get_profile(sc.profile))
     return loaded.with_section(
         "cost",
@@ -135,6 +134,8 @@ def main() -> int:
     ap.add_argument("--margins", default=",".join(str(m) for m in MARGINS))
     ap.add_argument("--reserves-mib", default=",".join(str(r) for r in RESERVES_MIB))
     args = ap.parse_args()
+    if args.alloc_conf == "default":
+        args.alloc_conf = None  # PyTorch's own default: the variable unset (torch aborts on "default")
     if args.alloc_conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = (
             args.alloc_conf
@@ -163,7 +164,9 @@ def main() -> int:
         rows = []
         if proposal is not None:
             rows.append(one(path, proposal, args, "calibrate's proposal"))
-        exact = exact_policy(path)
+        from bench.calibrate_cuda import POLICY
+
+        exact = exact_policy(path, proposal or load_policy_file(ROOT / POLICY[args.profile]))
         for m in (float(x) for x in args.margins.split(",")):
             for r in (int(x) for x in args.reserves_mib.split(",")):
                 variant = exact.with_section("cost", margin=m).with_section("vram", reserve_bytes=r * MiB)

@@ -36,11 +36,11 @@ from sidecar_emulator.server import EmulatorServer, build_emulator_app
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = {  # which shipped policy file describes each profile's lane (the start of a calibration)
-    "maxq-old": "policies/maxq-qwen3next-old.yaml",
-    "maxq-bounded": "policies/maxq-qwen3next-bounded.yaml",
-    "mamba-lane": "policies/mamba-lane.yaml",
-    "h200": "policies/h200-generic.yaml",
-    "h200-qwen3next": "policies/h200-generic.yaml",
+    "maxq-old": "sidecar_emulator/policies/maxq-qwen3next-old.yaml",
+    "maxq-bounded": "sidecar_emulator/policies/maxq-qwen3next-bounded.yaml",
+    "mamba-lane": "sidecar_emulator/policies/mamba-lane.yaml",
+    "h200": "sidecar_emulator/policies/h200-generic.yaml",
+    "h200-qwen3next": "sidecar_emulator/policies/h200-generic.yaml",
 }
 TERMS = tuple(f.name for f in fields(Coefficients))  # every term the fit reports, in its order
 

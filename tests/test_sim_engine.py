@@ -477,7 +477,15 @@ def test_cuda_mode_dies_of_cudas_own_out_of_memory() -> None:
         outage(model)
         run_until(model, crashed)
         crash = model.crashes[0]
-        assert crash.reason.startswith("CUDA out of memory. Tried to allocate 560.00 MiB")
-        assert crash.live.num_queue_reqs == 14 and crash.live.token_usage == 0.73
+        # The chunk that ends at 286,720 tokens: on the modeled device its 560 MiB gather fails. The
+        # chunk before it leaves 6 MiB to spare there; on a real card (H100, docs/evidence.md G4) its
+        # 544 MiB gather failed with 544.19 MiB free: the crash comes one chunk earlier.
+        assert crash.reason.startswith(
+            (
+                "CUDA out of memory. Tried to allocate 560.00 MiB",
+                "CUDA out of memory. Tried to allocate 544.00 MiB",
+            )
+        )
+        assert crash.live.num_queue_reqs == 14 and crash.live.token_usage in (0.71, 0.73)
     finally:
         device.crash()

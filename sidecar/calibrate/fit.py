@@ -607,6 +607,9 @@ class Fit:
 
 
 MIN_RESERVE = 16 * MiB
+# A single-chunk probe further off the fit than this is not rounding (PyTorch rounds to 2 MiB blocks and
+# 20 MiB segments): the default caching allocator's marks add up over probes (docs/evidence.md G3).
+CACHE_SUSPECT = 64 * MiB
 
 MIN_USABLE = 7  # five prefill terms + the cap's breakpoint, and one to spare
 
@@ -808,23 +811,24 @@ def _envelope(
 
     What an allocator adds per allocation does not scale with the request: PyTorch's caching allocator
     rounds a block up to 2 MiB and serves a 1-10 MiB one from a 20 MiB segment. That granularity is
-    measured where nothing else can explain an excess over the fit: single probes of at most one chunk
-    (one step, one block per piece). It is covered by the reserve (absolute), so the margin (relative)
-    covers only what is left of each observation, and a 22 MiB mark over an 8 MiB probe does not make
-    every 500K prompt 2.6 times its cost. The safety is then trimmed, never below what was observed,
+    measured where nothing else can explain an error of the fit: single probes of at most one chunk
+    (one step, one block per piece), in either direction. It is covered by the reserve (absolute), so
+    the margin (relative) and the noise term cover only what is left of each observation's error, and
+    a 22 MiB mark over an 8 MiB probe does not make every 500K prompt 2.6 times its cost (measured on
+    an H100: docs/evidence.md G3). The safety is then trimmed, never below what was observed,
     so that the longest probe the lane served stays admissible: the unfit line sits at or beyond
     where the probes showed the lane serves.
     """
     visible = [r for r in residuals if not r.censored and r.predicted > 0]
     small = [
-        r.observed - r.predicted
+        abs(r.observed - r.predicted)
         for r in visible
         if r.probe.concurrent == 1 and r.probe.prompt_tokens <= chunk
     ]
-    grain = max(0, math.ceil(max(small, default=0.0)))
+    grain = math.ceil(max(small, default=0.0))
 
-    def explained(r: Residual) -> float:  # the observation less what the granularity explains
-        return min(r.observed, max(r.predicted, r.observed - grain))
+    def explained(r: Residual) -> float:  # the observation, less the granularity's share of its error
+        return r.observed - max(-grain, min(grain, r.observed - r.predicted))
 
     ratios = np.array([explained(r) / r.predicted for r in visible])
     envelope = float(ratios.max()) if len(ratios) else 1.0
@@ -836,8 +840,15 @@ def _envelope(
     notes: list[str] = []
     if grain >= MiB:
         notes.append(
-            f"allocator granularity: single-chunk probes ran up to {grain / MiB:,.1f} MiB over the fit; "
+            f"allocator granularity: single-chunk probes ran up to {grain / MiB:,.1f} MiB off the fit; "
             "covered by the reserve, not the margin"
+        )
+    if grain > CACHE_SUSPECT:
+        # PyTorch's default allocator keeps each chunk's freed blocks and cannot reuse them for the next,
+        # larger chunk: the marks add up over probes and chunks (H100: docs/evidence.md G3).
+        notes.append(
+            "the marks look like a caching allocator's, not the lane's need: restart the engine with "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and calibrate again (docs/calibrate.md)"
         )
     longest = coef.probe_peak(Probe("longest", largest), chunk)
     if longest > 0 and margin * longest > idle_free - reserve >= covered * longest:

@@ -206,6 +206,17 @@ class GuardRules:
 
 
 @dataclass(frozen=True, slots=True)
+class ExperimentalRules:
+    """Rules whose only evidence is the emulator's benchmark: off unless a policy turns them on
+    (``experimental:``; docs/evidence.md G-rows say what each bought there)."""
+
+    # Price a request that starts its own prefill batch by its own chunk schedule (decide: own batch).
+    own_schedule_pricing: bool = False
+    # Admit a request that waited only on a GPU reading taken after its wait began (decide step 4).
+    gpu_reading_after_wait: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Learned:
     """What the lane has taught the sidecar since the policy was loaded, as plain values; the rules in
     force are the policy's with these (``sidecar/policy/in_force.py: rules_in_force``). Empty: the
@@ -245,3 +256,4 @@ class Rules:
     hold: HoldRules
     monitor: MonitorRules
     guard: GuardRules
+    experimental: ExperimentalRules = ExperimentalRules()
