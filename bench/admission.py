@@ -271,7 +271,7 @@ def _family(name: str, seed: int) -> Scenario:
             name=name,
             description=f"8 cold requests at 90-99.5 % of the old Max-Q lane's true single-request limit ({limit:,} tokens)",
             profile="maxq-old",
-            policy="policies/maxq-qwen3next-old.yaml",
+            policy="sidecar_emulator/policies/maxq-qwen3next-old.yaml",
             seed=seed,
             duration_s=1800,
             workload=[Requests(kind="requests", requests=reqs, retries=2)],
@@ -281,7 +281,7 @@ def _family(name: str, seed: int) -> Scenario:
             name=name,
             description="Two agents with ~200K and ~170K cached histories taking turns on the old Max-Q lane",
             profile="maxq-old",
-            policy="policies/maxq-qwen3next-old.yaml",
+            policy="sidecar_emulator/policies/maxq-qwen3next-old.yaml",
             seed=seed,
             duration_s=1800,
             workload=[
@@ -319,7 +319,7 @@ def _family(name: str, seed: int) -> Scenario:
             name=name,
             description="H200 + Qwen3-Next-class lane (no shipped policy): two agents growing to ~400K, short chat at a higher priority",
             profile=name,
-            policy="policies/h200-generic.yaml",
+            policy="sidecar_emulator/policies/h200-generic.yaml",
             seed=seed,
             duration_s=2400,
             workload=[

@@ -36,6 +36,7 @@ from sidecar_emulator.probe_lane import true_coefficients  # noqa: E402
 from sidecar_emulator.profiles import get_profile  # noqa: E402
 
 POLICY = {
+    "maxq-old": "policies/maxq-qwen3next-old.yaml",
     "h200-qwen3next": "policies/h200-generic.yaml",
     "maxq-bounded": "policies/maxq-qwen3next-bounded.yaml",
 }

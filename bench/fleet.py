@@ -69,7 +69,7 @@ async def chat_load(url: str, n: int, concurrency: int, seed: int) -> list[tuple
 async def run_setup(
     label: str, answers: str | None, flags: list[str], lanes: int, quick: bool, kind: F.RouterKind
 ) -> dict[str, Any]:
-    policy = load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml")
+    policy = load_policy_file(ROOT / "sidecar_emulator" / "policies" / "maxq-qwen3next-old.yaml")
     with tempfile.TemporaryDirectory() as d:
         async with F.fleet(Path(d)) as f:
             sidecars = (

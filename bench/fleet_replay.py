@@ -53,7 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="experiment 3 on 1 and 2 lanes only")
     args = ap.parse_args()
-    policy = load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml")
+    policy = load_policy_file(ROOT / "sidecar_emulator" / "policies" / "maxq-qwen3next-old.yaml")
     maxq = get_profile("maxq-old")
     rules = list(FR.RULES)
     out = [

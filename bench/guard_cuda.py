@@ -1,6 +1,6 @@
 """The in-flight prefill guard on a real GPU: the emulator's transients as CUDA memory, the sidecar on NVML.
 
-The old Max-Q lane (`policies/maxq-qwen3next-old.yaml`, calibrated on the unperturbed `maxq-old`
+The old Max-Q lane (`sidecar_emulator/policies/maxq-qwen3next-old.yaml`, calibrated on the unperturbed `maxq-old`
 profile) serving an engine whose transients run 1.2x its coefficients: one 260,000-token prompt, which
 the policy admits at margin 1.051 and whose true peak does not fit the lane, then a 100,000-token one.
 Run twice, the guard off and on. Off, the first prompt's last chunks are a real CUDA out-of-memory
@@ -40,7 +40,7 @@ def scenario() -> Scenario:
         name="guard-cuda",
         description="a 260K prompt on the old Max-Q lane whose transients run 1.2x the policy's coefficients",
         profile=PROFILE.name,
-        policy="policies/maxq-qwen3next-old.yaml",
+        policy="sidecar_emulator/policies/maxq-qwen3next-old.yaml",
         duration_s=180,
         workload=[
             Requests(
@@ -61,7 +61,7 @@ def main() -> int:
     args = ap.parse_args()
     # run_phase finds the profile by the scenario's name: the perturbed one is not a shipped profile.
     demo.get_profile = lambda name: PROFILE if name == PROFILE.name else get_profile(name)  # type: ignore[assignment]
-    policy = load_policy_file(ROOT / "policies/maxq-qwen3next-old.yaml")
+    policy = load_policy_file(ROOT / "sidecar_emulator/policies/maxq-qwen3next-old.yaml")
     info = {"device": "modeled"} if args.modeled else facts()
     print(json.dumps(info, indent=1))
     results = {}

@@ -35,7 +35,7 @@ from sidecar_emulator.profiles import get_profile
 from sidecar_emulator.server import EmulatorServer, build_emulator_app, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICY = ROOT / "policies" / "maxq-qwen3next-bounded.yaml"
+POLICY = ROOT / "sidecar_emulator" / "policies" / "maxq-qwen3next-bounded.yaml"
 PROFILE = "maxq-bounded"
 SPEED = 20.0  # emulator seconds per wall second: long prefills take a fraction of a second
 

@@ -105,13 +105,44 @@ class ModeledDevice:
         self._down = False
 
 
+def static_blocks(profile: LaneProfile, free_at_start: int, *, fill_to_profile: bool = True) -> list[int]:
+    """The blocks :class:`TorchDevice` allocates at start on a card with ``free_at_start`` bytes free.
+
+    What the engine model's crash point depends on is the idle free memory (``profile.idle_free_bytes``),
+    not the card's size: the pool is bookkept in tokens. So the profile's static blocks (weights, KV and
+    Mamba pools, graphs) are allocated as they are when they leave at least the idle free memory, plus a
+    ballast down to it (``fill_to_profile``); on a card too small for them (the 141 GB profiles on an
+    80 GB H100) each block is scaled down in proportion so that the card is left with exactly the
+    profile's idle free memory. ``free_at_start`` is what the card shows free before (NVML / torch).
+    """
+    p = profile
+    blocks = [b for b in (p.weights_bytes, p.kv_pool_bytes, p.mamba_pool_bytes, p.cuda_graph_bytes) if b > 0]
+    target = (
+        free_at_start - p.idle_free_bytes
+    )  # what must be held so that the idle free memory is the profile's
+    if target <= 0:
+        raise RuntimeError(
+            f"the card has {free_at_start / MiB:,.0f} MiB free, no more than profile {p.name!r}'s idle free "
+            f"memory ({p.idle_free_bytes / MiB:,.0f} MiB): nothing to emulate"
+        )
+    held = sum(blocks)
+    if held > target:
+        scaled = [b * target // held for b in blocks]
+        scaled[0] += target - sum(scaled)  # integer rounding goes to the largest (weights) block
+        return scaled
+    if fill_to_profile and target > held:
+        blocks.append(target - held)
+    return blocks
+
+
 class TorchDevice:
     """Real device memory through PyTorch (``cuda=True``); needs torch and a CUDA GPU.
 
-    At start it allocates the profile's static memory; when the real card is larger than the profile's,
-    ``fill_to_profile`` adds a ballast so that the real free memory equals the profile's idle free
-    memory, and the same workload runs out of memory at the same point. Free memory is read from the
-    device (``torch.cuda.mem_get_info``, the same number as NVML ``free``).
+    At start it allocates the profile's static memory (:func:`static_blocks`: scaled down on a card
+    smaller than the profile's, with a ballast on a larger one) so that the real free memory equals the
+    profile's idle free memory, and the same workload runs out of memory at the same point on an 80 GB
+    H100 as on a 141 GB H200. Free memory is read from the device (``torch.cuda.mem_get_info``, the same
+    number as NVML ``free``).
     """
 
     def __init__(self, profile: LaneProfile, *, device_index: int = 0, fill_to_profile: bool = True) -> None:
@@ -133,16 +164,9 @@ class TorchDevice:
         return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._dev)
 
     def _allocate_static(self) -> None:
-        p = self.profile
-        # Pools first (as SGLang does after weights), then weights and graphs as one block each.
-        for nbytes in (p.weights_bytes, p.kv_pool_bytes, p.mamba_pool_bytes, p.cuda_graph_bytes):
-            if nbytes > 0:
-                self._static.append(self._empty(nbytes))
-        if self._fill:
-            free, _total = self._torch.cuda.mem_get_info(self._dev)
-            ballast = int(free) - p.idle_free_bytes
-            if ballast > 0:
-                self._static.append(self._empty(ballast))
+        free, _total = self._torch.cuda.mem_get_info(self._dev)
+        for nbytes in static_blocks(self.profile, int(free), fill_to_profile=self._fill):
+            self._static.append(self._empty(nbytes))
 
     def free_bytes(self) -> int:
         free, _total = self._torch.cuda.mem_get_info(self._dev)

@@ -19,9 +19,9 @@ from sidecar.calibrate.fit import (
     ProbeRun,
     fit,
     plan_probes,
-    proposal_text,
     run_probes,
 )
+from sidecar.calibrate.proposal import LaneFacts, proposal_text
 from sidecar.policy.schema import load_policy_text
 from sidecar_emulator.engine import EngineModel
 from sidecar_emulator.events import Crashed, Failed, Finished
@@ -128,7 +128,19 @@ def calibrate_on_model(
     result = fit(run, safety=safety) if run.refused is None else run.refused
     if isinstance(result, str):
         return None, run, result
-    return proposal_text(policy_text, result, run, command), run, result
+    facts = LaneFacts(
+        context_len=profile.context_length,
+        chunked_prefill_size=profile.chunked_prefill_size,
+        kv_pool_tokens=profile.kv_pool_tokens,
+        max_running_requests=profile.effective_max_running_requests,
+        mamba_slots=profile.mamba_slots or None,
+        model=profile.served_model_name,
+        mem_fraction_static=profile.mem_fraction_static,
+        gpu=f"emulated {profile.name}",
+        gpu_total_bytes=profile.device_total_bytes,
+    )
+    text = proposal_text(policy_text, result, run, command, facts=facts, name=policy.name, safety=safety)
+    return text, run, result
 
 
 def perturbed(profile: LaneProfile, *, scale: float = 1.0, noise: float = 0.0) -> LaneProfile:

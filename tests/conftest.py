@@ -17,7 +17,9 @@ from sidecar.policy.in_force import rules_of
 from sidecar.policy.schema import LoadedPolicy, Policy, load_policy_file, load_policy_text
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ROOT / "policies"
+POLICIES = ROOT / "policies"  # the lane policies (deployed)
+# The emulator-exact policies: cost terms of the emulator's profiles, for scenarios and benchmarks.
+EMULATOR_POLICIES = ROOT / "sidecar_emulator" / "policies"
 MIB = 1024 * 1024
 
 
@@ -74,7 +76,7 @@ def clock() -> ManualClock:
 
 
 def maxq() -> LoadedPolicy:
-    return load_policy_file(POLICIES / "maxq-qwen3next-old.yaml")
+    return load_policy_file(EMULATOR_POLICIES / "maxq-qwen3next-old.yaml")
 
 
 def small_policy(**overrides: object) -> LoadedPolicy:

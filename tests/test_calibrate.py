@@ -18,13 +18,16 @@ from sidecar.calibrate.fit import (
     Bounds,
     Coefficients,
     Fit,
+    Probe,
     ProbeRun,
+    Residual,
+    _envelope,
     fit,
     frontier_probes,
     plan_probes,
-    proposal_text,
     run_probes,
 )
+from sidecar.calibrate.proposal import proposal_text
 from sidecar.cli import main
 from sidecar.policy.schema import load_policy_file, load_policy_text
 from sidecar_emulator.engine import EngineModel
@@ -36,11 +39,11 @@ from sidecar_emulator.server import EmulatorServer, build_emulator_app
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = {  # which shipped policy file describes each profile's lane (the start of a calibration)
-    "maxq-old": "policies/maxq-qwen3next-old.yaml",
-    "maxq-bounded": "policies/maxq-qwen3next-bounded.yaml",
-    "mamba-lane": "policies/mamba-lane.yaml",
-    "h200": "policies/h200-generic.yaml",
-    "h200-qwen3next": "policies/h200-generic.yaml",
+    "maxq-old": "sidecar_emulator/policies/maxq-qwen3next-old.yaml",
+    "maxq-bounded": "sidecar_emulator/policies/maxq-qwen3next-bounded.yaml",
+    "mamba-lane": "sidecar_emulator/policies/mamba-lane.yaml",
+    "h200": "sidecar_emulator/policies/h200-generic.yaml",
+    "h200-qwen3next": "sidecar_emulator/policies/h200-generic.yaml",
 }
 TERMS = tuple(f.name for f in fields(Coefficients))  # every term the fit reports, in its order
 
@@ -293,3 +296,86 @@ def test_calibrated_on_the_perturbed_engine_it_never_crashes(path: Path, scale: 
     assert proposed is not None, result
     for seed in (sc.seed, sc.seed + 1):
         assert not _replay(sc, load_policy_text(proposed), profile, seed)["crashes"]
+
+
+# ------------------------------------------------------------------------- the proposal (issue 29)
+def test_the_proposal_describes_the_measured_lane_keeps_every_comment_and_passes_check_policy(
+    tmp_path: Path,
+) -> None:
+    from sidecar.calibrate.proposal import LaneFacts
+
+    profile = PROFILES["maxq-bounded"]
+    lines: list[str] = []
+    lane = ModelLane(EngineModel(profile, 0))
+    probes = plan_probes(profile.chunked_prefill_size, profile.context_length)
+    run = asyncio.run(
+        run_probes(lane, lane, probes, true_coefficients(profile), Bounds(), progress=lines.append)
+    )
+    result = fit(run)
+    assert isinstance(result, Fit)
+    # One line as each probe goes and one when it is back (or skipped), each naming the probe.
+    assert len(lines) >= 2 * len(run.observations)
+    assert all(any(o.probe.name in line for line in lines) for o in run.observations)
+    start = (ROOT / POLICY["maxq-bounded"]).read_text()
+    facts = LaneFacts(
+        context_len=262_144,
+        chunked_prefill_size=4096,
+        kv_pool_tokens=400_000,
+        max_running_requests=16,
+        mamba_slots=40,
+        model="org/Some-Model-70B",
+        mem_fraction_static=0.9,
+        engine_version="0.5.23",
+        gpu="GPU-1234",
+        gpu_total_bytes=81_559 * MiB,
+    )
+    text = proposal_text(start, result, run, "sglang-sidecar calibrate ...", facts=facts)
+    # Every comment of the starting policy outside its cost section is still there.
+    cost_at = start.index("\ncost:")
+    after_cost = start.index("\nvram:")
+    kept = [
+        line.strip()
+        for line in start[:cost_at].splitlines() + start[after_cost:].splitlines()
+        if line.strip().startswith("#")
+    ]
+    assert kept and all(c in text for c in kept)
+    p = load_policy_text(text).policy
+    assert p.name == "some-model-70b-256k"
+    assert "GPU-1234 (81,559 MiB)" in p.description and "--mem-fraction-static 0.9" in p.description
+    assert (p.lane.context_len, p.lane.chunked_prefill_size) == (262_144, 4096)
+    assert (p.lane.kv_pool_tokens, p.lane.max_running_requests, p.lane.mamba_slots) == (400_000, 16, 40)
+    assert "idle_free_bytes: 3226MiB" in text and "batch_join_bytes: 1248MiB" in text
+    out = tmp_path / "proposed.yaml"
+    out.write_text(text)
+    assert main(["check-policy", str(out)]) == 0
+
+
+def _res(name: str, tokens: int, observed_mib: float, predicted_mib: float) -> Residual:
+    return Residual(Probe(name, tokens), int(observed_mib * MiB), predicted_mib * MiB, False)
+
+
+def test_allocator_granularity_goes_into_the_reserve_not_the_margin() -> None:
+    """A caching allocator's 20 MiB segment under an 8 MiB probe (H100, docs/evidence.md G3) is an
+    absolute error: it sets the reserve, and the 500K prompt is not priced 2.6 times its cost."""
+    coef = Coefficients(activation_bytes_per_chunk_token=1024.0, context_bytes_per_token=2048.0)
+    residuals = [
+        _res("a", 512, 22.0, 8.4),  # one 20 MiB segment and a 2 MiB block for 8.4 MiB of tensors
+        _res("b", 4096, 70.0, 78.0),  # over-predicted by 8 MiB: within the same granularity
+        _res("c", 200_000, 1_030.0, 1_020.0),  # the long probes: within it too
+        _res("d", 400_000, 2_040.0, 2_030.0),
+    ]
+    env = _envelope(residuals, coef, 8192, 10_000 * MiB, 400_000, 0.05)
+    assert env.grain == pytest.approx(13.6 * MiB, abs=MiB)
+    assert env.covered == pytest.approx(1.0) and env.margin == pytest.approx(1.05)
+    assert env.reserve == 28 * MiB  # twice the granularity, in whole MiB
+
+
+def test_the_safety_never_makes_the_longest_served_probe_unfit() -> None:
+    coef = Coefficients(context_bytes_per_token=2048.0)
+    residuals = [_res("a", 100_000, 195.3, 195.3), _res("b", 480_000, 937.5, 937.5)]
+    # 960 MiB of headroom: 937.5 x 1.05 + 16 MiB would not fit the 480K prompt the lane served.
+    env = _envelope(residuals, coef, 8192, 960 * MiB, 480_000, 0.05)
+    assert env.covered == pytest.approx(1.0)
+    assert 1.0 <= env.margin < 1.05
+    assert env.margin * coef.probe_peak(Probe("x", 480_000), 8192) + env.reserve <= 960 * MiB + 1
+    assert any("safety trimmed" in n for n in env.notes)

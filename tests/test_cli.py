@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import POLICIES, ROOT
+from tests.conftest import EMULATOR_POLICIES, POLICIES, ROOT
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -37,7 +37,7 @@ def test_serve_help_names_every_option_and_its_environment_variable() -> None:
 
 
 def test_check_policy_accepts_every_shipped_policy() -> None:
-    for path in sorted(POLICIES.glob("*.yaml")):
+    for path in sorted([*POLICIES.glob("*.yaml"), *EMULATOR_POLICIES.glob("*.yaml")]):
         r = run("check-policy", str(path))
         assert r.returncode == 0, r.stderr
         assert "OK" in r.stdout
@@ -47,7 +47,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     """`check-policy ... | head -1`: the pipe closes before the summary is written; the command ends
     quietly with a shell's SIGPIPE status instead of printing a BrokenPipeError traceback."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "check-policy", str(POLICIES / "maxq-qwen3next-old.yaml")],
+        [sys.executable, "-m", "sidecar", "check-policy", str(EMULATOR_POLICIES / "maxq-qwen3next-old.yaml")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=ROOT,
@@ -59,7 +59,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
 
 
 def test_check_policy_locates_errors(tmp_path: Path) -> None:
-    text = (POLICIES / "maxq-qwen3next-old.yaml").read_text()
+    text = (EMULATOR_POLICIES / "maxq-qwen3next-old.yaml").read_text()
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         re.sub(

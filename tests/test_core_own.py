@@ -212,6 +212,20 @@ def test_without_the_counters_or_the_guard_the_shell_keeps_the_full_chunk(
     assert h.decision is not None and h.decision.reason is Reason.UNFIT_REQUEST
 
 
+def test_off_by_default_the_shell_keeps_the_full_chunk(clock) -> None:  # type: ignore[no-untyped-def]
+    """Own-schedule pricing is ``experimental`` (docs/evidence.md G5): a lane policy without the key
+    prices the band prompt at its full last chunk, as without the counters."""
+    from sidecar.admission.controller import Admission
+
+    a = Admission(LANE.with_section("experimental", own_schedule_pricing=False), clock)
+    progress = {"prefill_computed_tokens": 0, "prefill_cached_tokens": 0}
+    a.update_snapshot(
+        snapshot(clock(), free_bytes=None, max_total_tokens=522_880, kv_available_tokens=522_880, **progress)
+    )
+    h = submit(a, ask(a, BAND, max_new_tokens=1024))
+    assert h.decision is not None and h.decision.reason is Reason.UNFIT_REQUEST
+
+
 def test_the_shell_admits_it_alone_and_the_guard_prices_it_so(clock) -> None:  # type: ignore[no-untyped-def]
     a = _lane(clock)
     h = submit(a, ask(a, BAND, max_new_tokens=1024))

@@ -23,7 +23,13 @@ NOTE = "gpu reading predates the wait: admitted on the next one"
 
 
 def rules(**overrides: object) -> Rules:
-    return rules_of(small_policy(**overrides).policy)
+    # The rule is off by default (its evidence is one benchmark seed, docs/evidence.md G6): on here.
+    return rules_of(small_policy(experimental__gpu_reading_after_wait=True, **overrides).policy)
+
+
+def test_the_rule_is_off_by_default() -> None:
+    r = rules_of(small_policy().policy)
+    assert waiting(r, gpu_read_at(NOW - 1.0)).admitted
 
 
 def gpu_read_at(t: float | None, **engine: object) -> Snapshot:

@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 
 def bounded(**cost: object):  # type: ignore[no-untyped-def]
-    loaded = load_policy_file(ROOT / "policies/maxq-qwen3next-bounded.yaml")
+    loaded = load_policy_file(ROOT / "sidecar_emulator/policies/maxq-qwen3next-bounded.yaml")
     return rules_of(loaded.with_section("cost", **cost).policy)
 
 

@@ -72,7 +72,9 @@ async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable
     with tempfile.TemporaryDirectory() as tmp:
         gpu_file = Path(tmp) / "gpu.json"
         async with EmulatorServer(build_emulator_app(model, 20.0, gpu_file)) as emu:
-            policy = scale_policy(load_policy_file(ROOT / "policies/maxq-qwen3next-old.yaml"), 20.0)
+            policy = scale_policy(
+                load_policy_file(ROOT / "sidecar_emulator/policies/maxq-qwen3next-old.yaml"), 20.0
+            )
             # Gate off for this request's size: let a too-large prompt through to kill the engine.
             policy = policy.__class__(
                 policy.policy.model_copy(

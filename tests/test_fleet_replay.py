@@ -36,7 +36,7 @@ from tests.conftest import ROOT, maxq
 SCENARIO = """
 name: unfit-then-small
 profile: maxq-old
-policy: policies/maxq-qwen3next-old.yaml
+policy: sidecar_emulator/policies/maxq-qwen3next-old.yaml
 seed: 5
 duration_s: 600
 retry_after_default_s: 5

@@ -285,9 +285,9 @@ def test_projection_is_per_chunk_not_per_prompt() -> None:
 
 def test_gather_cap_bounds_the_bounded_build() -> None:
     from sidecar.policy.schema import load_policy_file
-    from tests.conftest import POLICIES
+    from tests.conftest import EMULATOR_POLICIES
 
-    bounded = load_policy_file(POLICIES / "maxq-qwen3next-bounded.yaml").policy
+    bounded = load_policy_file(EMULATOR_POLICIES / "maxq-qwen3next-bounded.yaml").policy
     old = maxq().policy
     c_b, c_o = at_now(bounded, 500_000), at_now(old, 500_000)
     # Calibrated coefficients (the old build's gather merged into its per-context term), to 0.2 %.
@@ -312,7 +312,7 @@ def test_mamba_checkpoints_reported_evictable_stay_charged_until_the_request_end
     slots each (used) and 17 prefill checkpoints each that the engine reports *evictable* although
     eviction cannot take them. The ledger keeps each request's 21 slots until it ends: a third waits.
     Once both ended the checkpoints really are evictable and it goes."""
-    policy = load_policy_file(ROOT / "policies" / "mamba-lane.yaml").policy
+    policy = load_policy_file(ROOT / "sidecar_emulator" / "policies" / "mamba-lane.yaml").policy
     third = ask(policy, 140_000, now=NOW)
     assert third.mamba_slots == 4 + 18  # 4 working + ceil(140,000 / 8,192) checkpoints
     snap = snapshot(

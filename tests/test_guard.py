@@ -1,7 +1,7 @@
 """The in-flight prefill guard end to end: in replay (virtual time) and through the live sidecar in
 front of the emulator on loopback, with the official `openai` client.
 
-The old Max-Q lane (`policies/maxq-qwen3next-old.yaml`, calibrated on the unperturbed `maxq-old`
+The old Max-Q lane (`sidecar_emulator/policies/maxq-qwen3next-old.yaml`, calibrated on the unperturbed `maxq-old`
 profile): a prompt near the lane's limit on an engine whose transients run 1.2x the coefficients, and a
 long prompt that no longer fits once another process on the card grows. Each run is also made with the
 guard off, which must crash the engine: a test that passed with the guard broken would prove nothing.
@@ -38,7 +38,7 @@ def scenario(requests: list[Request], retries: int = 0, gpu_events: list[GpuEven
     return Scenario(
         name="guard",
         profile="maxq-old",
-        policy="policies/maxq-qwen3next-old.yaml",
+        policy="sidecar_emulator/policies/maxq-qwen3next-old.yaml",
         duration_s=900,
         workload=[Requests(kind="requests", requests=requests, retries=retries)],
         gpu_events=gpu_events or [],

@@ -85,7 +85,7 @@ def rounds(count: int) -> Scenario:
     return Scenario(
         name="rounds",
         profile="maxq-bounded",
-        policy="policies/maxq-qwen3next-bounded.yaml",
+        policy="sidecar_emulator/policies/maxq-qwen3next-bounded.yaml",
         seed=5,
         duration_s=900,
         workload=[
@@ -102,11 +102,11 @@ def rounds(count: int) -> Scenario:
 
 def test_replay_admits_held_rounds_as_the_engine_alone_would_and_at_the_poll_without_sooner_reads() -> None:
     from sidecar.policy.schema import load_policy_file
-    from tests.conftest import POLICIES
+    from tests.conftest import EMULATOR_POLICIES
 
     sc = rounds(3)
     profile = get_profile("maxq-bounded")
-    policy = load_policy_file(POLICIES / "maxq-qwen3next-bounded.yaml")
+    policy = load_policy_file(EMULATOR_POLICIES / "maxq-qwen3next-bounded.yaml")
     alone = Driver(sc, profile, None, sc.seed).run()
     gated = Driver(sc, profile, policy, sc.seed)
     r = gated.run()

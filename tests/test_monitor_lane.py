@@ -25,7 +25,7 @@ from tests.harness import FakeEngine, eventually, gen, lane, write_gpu_file
 
 
 def test_the_monitor_reports_within_one_request_and_its_margin_stops_the_crash() -> None:
-    """The outage burst on the old-gather lane: `policies/maxq-qwen3next-old.yaml` was calibrated on
+    """The outage burst on the old-gather lane: `sidecar_emulator/policies/maxq-qwen3next-old.yaml` was calibrated on
     the unperturbed `maxq-old` profile; here every transient and the batch join are 1.2x larger."""
     sc = load_scenario(ROOT / "scenarios" / "maxq-outage-burst.yaml")
     profile = perturbed(get_profile(sc.profile), scale=1.2)
@@ -155,7 +155,7 @@ async def test_state_and_metrics_show_the_idle_figure_and_the_monitor_live(tmp_p
 def test_check_policy_and_a_shipped_policy_with_auto(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from sidecar.cli import main
 
-    text = (ROOT / "policies" / "maxq-qwen3next-old.yaml").read_text()
+    text = (ROOT / "sidecar_emulator" / "policies" / "maxq-qwen3next-old.yaml").read_text()
     path = tmp_path / "auto.yaml"
     path.write_text(text.replace("idle_free_bytes: 1372MiB", "idle_free_bytes: auto"))
     assert main(["check-policy", str(path)]) == 0

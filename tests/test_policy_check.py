@@ -13,10 +13,10 @@ from sidecar.core.snapshot import Snapshot
 from sidecar.policy.in_force import rules_of
 from sidecar.policy.schema import PolicyError, load_policy_file, load_policy_text
 from sidecar.policy.summary import summarize
-from tests.conftest import POLICIES, ask
+from tests.conftest import EMULATOR_POLICIES, POLICIES, ask
 from tests.test_cli import run
 
-OLD = POLICIES / "maxq-qwen3next-old.yaml"
+OLD = EMULATOR_POLICIES / "maxq-qwen3next-old.yaml"
 
 
 def problems_of(text: str) -> list[str]:
@@ -103,7 +103,11 @@ def test_binary_units_and_plain_bytes_are_sizes() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", sorted(POLICIES.glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    sorted([*POLICIES.glob("*.yaml"), *EMULATOR_POLICIES.glob("*.yaml")]),
+    ids=lambda p: ("emulator-" if "sidecar_emulator" in p.parts else "") + p.stem,
+)
 def test_largest_admissible_prompt_is_where_the_gate_starts_saying_unfit(path: Path) -> None:
     policy = load_policy_file(path).policy
     s = summarize(policy)

@@ -125,7 +125,7 @@ def test_request_log_and_decision_log_traces(tmp_path: Path) -> None:
         )
         + "\n"
     )
-    sc = load_trace(log, profile="maxq-old", policy="policies/maxq-qwen3next-old.yaml")
+    sc = load_trace(log, profile="maxq-old", policy="sidecar_emulator/policies/maxq-qwen3next-old.yaml")
     assert [r.t for r in sc.workload[0].requests] == [0, 1.5]
 
     decisions = tmp_path / "decisions.jsonl"
@@ -164,12 +164,12 @@ def test_request_log_and_decision_log_traces(tmp_path: Path) -> None:
         )
         + "\n"
     )
-    sc = load_trace(decisions, profile="maxq-old", policy="policies/maxq-qwen3next-old.yaml")
+    sc = load_trace(decisions, profile="maxq-old", policy="sidecar_emulator/policies/maxq-qwen3next-old.yaml")
     assert [(r.t, r.prompt_tokens) for r in sc.workload[0].requests] == [(0.0, 70000), (1.0, 1000)]
     result = run_replay(
         sc,
         gate=True,
-        policy=load_policy_file(ROOT / "policies/maxq-qwen3next-old.yaml"),
+        policy=load_policy_file(ROOT / "sidecar_emulator/policies/maxq-qwen3next-old.yaml"),
         profile=get_profile("maxq-old"),
         seed=0,
     )
@@ -213,7 +213,7 @@ def test_replay_command_prints_the_table_writes_json_and_a_readable_plot(tmp_pat
 def test_replay_command_locates_scenario_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        "name: x\nprofile: maxq-old\npolicy: policies/maxq-qwen3next-old.yaml\nduration_s: 10\n"
+        "name: x\nprofile: maxq-old\npolicy: sidecar_emulator/policies/maxq-qwen3next-old.yaml\nduration_s: 10\n"
         "workload:\n  - kind: burst\n    count: 0\n    interval_s: 1\n    prompt_tokens: [1, 2]\n"
     )
     r = subprocess.run(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar_emulator.device import ModeledDevice
+from sidecar_emulator.device import ModeledDevice, static_blocks
 from sidecar_emulator.engine import MAMBA_CRASH, EngineModel
 from sidecar_emulator.events import (
     Crashed,
@@ -423,6 +423,45 @@ def test_cpu_mode_never_imports_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
+# The cards the CUDA mode must run on: NVML total less what the driver and CUDA context leave free
+# (an H100 80 GB shows 81,559 MiB total, an H200 143,771 MiB: evidence N1 and issue 29's H100 figure).
+H100_FREE = 81_559 * MiB - 1_100 * MiB
+H200_FREE = 143_771 * MiB - 1_100 * MiB
+
+
+@pytest.mark.parametrize("name", ["maxq-old", "maxq-bounded", "mamba-lane", "h200", "h200-qwen3next"])
+@pytest.mark.parametrize("free", [H100_FREE, H200_FREE], ids=["h100-80gb", "h200"])
+def test_cuda_mode_leaves_every_profile_its_idle_free_memory_on_either_card(name: str, free: int) -> None:
+    """`emulate --cuda` allocates what the profile's engine holds, scaled to the card: what is left
+    free is the profile's idle free memory, on an 80 GB H100 as on a 141 GB H200."""
+    profile = get_profile(name)
+    blocks = static_blocks(profile, free)
+    assert all(b > 0 for b in blocks)
+    assert free - sum(blocks) == profile.idle_free_bytes
+
+
+def test_cuda_mode_scales_static_blocks_in_proportion_on_a_smaller_card() -> None:
+    profile = get_profile("h200-qwen3next")  # ~140 GiB of static memory: more than an H100 has
+    assert profile.engine_static_bytes > H100_FREE
+    blocks = static_blocks(profile, H100_FREE)
+    full = [profile.weights_bytes, profile.kv_pool_bytes, profile.mamba_pool_bytes, profile.cuda_graph_bytes]
+    assert len(blocks) == 4  # no ballast: the blocks themselves shrink
+    for got, want in zip(blocks[1:], full[1:], strict=True):
+        assert got / want == pytest.approx(blocks[0] / full[0], rel=1e-6)
+    # On a card larger than the profile's, the blocks are the profile's and a ballast fills the rest.
+    assert static_blocks(MAXQ_OLD, H200_FREE)[:4] == [
+        MAXQ_OLD.weights_bytes,
+        MAXQ_OLD.kv_pool_bytes,
+        MAXQ_OLD.mamba_pool_bytes,
+        MAXQ_OLD.cuda_graph_bytes,
+    ]
+
+
+def test_cuda_mode_refuses_a_card_with_no_more_than_the_idle_free_memory() -> None:
+    with pytest.raises(RuntimeError, match="nothing to emulate"):
+        static_blocks(MAXQ_OLD, MAXQ_OLD.idle_free_bytes)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     shutil.which("nvidia-smi") is None or importlib.util.find_spec("torch") is None,
@@ -438,7 +477,15 @@ def test_cuda_mode_dies_of_cudas_own_out_of_memory() -> None:
         outage(model)
         run_until(model, crashed)
         crash = model.crashes[0]
-        assert crash.reason.startswith("CUDA out of memory. Tried to allocate 560.00 MiB")
-        assert crash.live.num_queue_reqs == 14 and crash.live.token_usage == 0.73
+        # The chunk that ends at 286,720 tokens: on the modeled device its 560 MiB gather fails. The
+        # chunk before it leaves 6 MiB to spare there; on a real card (H100, docs/evidence.md G4) its
+        # 544 MiB gather failed with 544.19 MiB free: the crash comes one chunk earlier.
+        assert crash.reason.startswith(
+            (
+                "CUDA out of memory. Tried to allocate 560.00 MiB",
+                "CUDA out of memory. Tried to allocate 544.00 MiB",
+            )
+        )
+        assert crash.live.num_queue_reqs == 14 and crash.live.token_usage in (0.71, 0.73)
     finally:
         device.crash()

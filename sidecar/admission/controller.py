@@ -322,7 +322,11 @@ class Admission:
             held_tokens=self._queue.tokens - own_tokens,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
             join_settles_at=self._join_at,
-            verifies_hits=self._guarding and self.progress.counter is not None,
+            verifies_hits=(
+                self.rules.experimental.own_schedule_pricing
+                and self._guarding
+                and self.progress.counter is not None
+            ),
         )
 
     # -- the request path -------------------------------------------------------------------------

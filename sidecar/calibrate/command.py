@@ -14,6 +14,7 @@ import random
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -26,13 +27,13 @@ from sidecar.calibrate.fit import (
     fit,
     order_probes,
     plan_probes,
-    proposal_text,
     proposed_cost,
     report,
     run_probes,
 )
+from sidecar.calibrate.proposal import LaneFacts, proposal_text
 from sidecar.policy.schema import PolicyError, load_policy_file
-from sidecar.signals.engine import EngineScraper
+from sidecar.signals.engine import EngineScraper, parse_server_info
 from sidecar.signals.gpu import GpuSource, GpuSourceError, parse_gpu_source
 
 EXIT_PROPOSED = 0
@@ -49,6 +50,7 @@ class HttpLane:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._scraper = EngineScraper(self.base_url, api_key=api_key)
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._mamba_slots: int | None = None
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -58,12 +60,38 @@ class HttpLane:
         e = await self._scraper.poll_once()
         if e.chunked_prefill_size is None or e.context_len is None:
             raise RuntimeError(f"{self.base_url}/server_info gave no chunked_prefill_size/context_length")
+        self._mamba_slots = e.mamba_total_slots or self._mamba_slots
         return EngineInfo(
             e.chunked_prefill_size,
             e.context_len,
             e.running_requests or 0,
             e.queue_requests or 0,
             e.pending_prefill_tokens or 0,
+        )
+
+    async def facts(self, info: EngineInfo) -> LaneFacts:
+        """The lane as the engine reports it (``/server_info``; older engines ``/get_server_info``)."""
+        raw: dict[str, object] = {}
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                resp = await self._client.get(f"{self.base_url}{path}", headers=self._auth)
+            except httpx.HTTPError:
+                break
+            if resp.status_code == 200 and isinstance(body := resp.json(), dict):
+                raw = body
+                break
+        parsed = parse_server_info(raw) if raw else {}
+        fraction = raw.get("mem_fraction_static")
+        model = raw.get("served_model_name") or raw.get("model_path")
+        return LaneFacts(
+            context_len=info.context_len,
+            chunked_prefill_size=info.chunked_prefill_size,
+            kv_pool_tokens=_int_or_none(parsed.get("max_total_tokens")),
+            max_running_requests=_int_or_none(parsed.get("max_running_requests")),
+            mamba_slots=self._mamba_slots,
+            model=str(model) if model else None,
+            mem_fraction_static=float(fraction) if isinstance(fraction, int | float) else None,
+            engine_version=str(parsed["version"]) if parsed.get("version") else None,
         )
 
     async def _one(self, ids: list[int], max_new: int) -> str | None:
@@ -113,6 +141,22 @@ class GpuMeter:
     async def free_bytes(self) -> int:
         return (await self._read())[0]
 
+    async def device(self) -> tuple[str | None, int | None]:
+        """The deciding device's name (NVML UUID, file path) and total memory."""
+        g = await self.source.read(time.monotonic())
+        if not g.devices:
+            return None, None
+        d = min(g.devices, key=lambda d: d.free_bytes)
+        return d.ident, d.total_bytes
+
+
+def _int_or_none(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
 
 def add_parser(sub: argparse._SubParsersAction, formatter: type = argparse.HelpFormatter) -> None:  # type: ignore[type-arg]
     c = sub.add_parser(
@@ -135,6 +179,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type = argparse.HelpF
     c.add_argument("--cached-prefix", action="store_true", help="also probe a request with a cached prefix")
     c.add_argument("--dry-run", action="store_true", help="print the probe plan and exit")
     c.add_argument("--json", metavar="OUT", help="also write the observations and the fit as JSON")
+    c.add_argument("--name", help="the proposal's policy name (default: from the model and context)")
+    c.add_argument("--quiet", action="store_true", help="no progress lines on stderr while probing")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -211,8 +257,13 @@ async def _calibrate(args: argparse.Namespace, policy, policy_text: str, source:
             args.max_duration_s,
             reserve_bytes=int(policy.vram.reserve_bytes),
         )
+        meter = GpuMeter(source)
+        say = None if getattr(args, "quiet", False) else _progress
         try:
-            run = await run_probes(lane, GpuMeter(source), probes, Coefficients.of(policy.cost), bounds)
+            run = await run_probes(lane, meter, probes, Coefficients.of(policy.cost), bounds, progress=say)
+            facts = await lane.facts(run.info)
+            gpu, total = await meter.device()
+            facts = replace(facts, gpu=gpu, gpu_total_bytes=total)
         except GpuSourceError as e:
             print(f"sglang-sidecar calibrate: error: {e.message}", file=sys.stderr)
             return EXIT_USAGE
@@ -227,7 +278,10 @@ async def _calibrate(args: argparse.Namespace, policy, policy_text: str, source:
         print("nothing proposed", file=sys.stderr)
         return EXIT_NOTHING_PROPOSED
     command = "sglang-sidecar calibrate " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else [])
-    Path(args.out).write_text(proposal_text(policy_text, result, run, command))
+    text = proposal_text(
+        policy_text, result, run, command, facts=facts, name=getattr(args, "name", None), safety=args.safety
+    )
+    Path(args.out).write_text(text)
     print(f"proposed policy written to {args.out} (the running policy is unchanged)")
     return EXIT_PROPOSED
 

@@ -81,7 +81,7 @@ def decide(demand: Demand, s: Situation) -> Decision:
         verdict = _judge(demand, s, own, headroom)
         if verdict[0] is Action.ADMIT:
             (action, reason, checks, by), charge = verdict, own
-    if action is Action.ADMIT and s.queued:
+    if action is Action.ADMIT and s.queued and rules.experimental.gpu_reading_after_wait:
         old = _gpu_predates_wait(demand, s)
         if old is not None:
             action, reason, checks, by = Action.HOLD, Reason.SIGNALS_STALE, (*checks, old), old.name

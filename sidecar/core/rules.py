@@ -208,6 +208,17 @@ class GuardRules:
 
 
 @dataclass(frozen=True, slots=True)
+class ExperimentalRules:
+    """Rules whose only evidence is the emulator's benchmark: off unless a policy turns them on
+    (``experimental:``; docs/evidence.md G-rows say what each bought there)."""
+
+    # Price a request that starts its own prefill batch by its own chunk schedule (decide: own batch).
+    own_schedule_pricing: bool = False
+    # Admit a request that waited only on a GPU reading taken after its wait began (decide step 4).
+    gpu_reading_after_wait: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Learned:
     """What the lane has taught the sidecar since the policy was loaded, as plain values; the rules in
     force are the policy's with these (``sidecar/policy/in_force.py: rules_in_force``). Empty: the
@@ -250,3 +261,4 @@ class Rules:
     # The most sequences (prompts x samples) one request may ask for: policy
     # ``limits.max_sequences_per_request``. More is ``unfit_request`` at once, whatever the lane holds.
     max_sequences_per_request: int = 256
+    experimental: ExperimentalRules = ExperimentalRules()

@@ -13,6 +13,7 @@ from sidecar.core import facts
 from sidecar.core.rules import (
     NOTHING_LEARNED,
     CostModel,
+    ExperimentalRules,
     GuardRules,
     HeadroomSource,
     HoldRules,
@@ -51,6 +52,7 @@ def rules_in_force(p: Policy, learned: Learned = NOTHING_LEARNED) -> Rules:
         monitor=_view(MonitorRules, p.monitor),
         guard=_view(GuardRules, p.guard),
         max_sequences_per_request=p.limits.max_sequences_per_request,
+        experimental=_view(ExperimentalRules, p.experimental),
     )
     # The lane facts measured to differ from the policy's: the safer figure (core/facts.py).
     return _per_device(facts.in_force(rules, learned.facts), learned)

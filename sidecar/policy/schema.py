@@ -304,6 +304,17 @@ class Guard(_Strict):
     enabled: bool = True
 
 
+class Experimental(_Strict):
+    """Rules whose only evidence is that they win seeds of the emulator's benchmark; off by default
+    (docs/evidence.md, rows G, says what each buys there). ``own_schedule_pricing``: a request that
+    starts its own prefill batch is priced by its own chunk schedule (needs the in-flight guard and the
+    engine's prefill counters). ``gpu_reading_after_wait``: a held request is admitted only on a GPU
+    reading taken after its wait began."""
+
+    own_schedule_pricing: bool = False
+    gpu_reading_after_wait: bool = False
+
+
 class Kv(_Strict):
     reserve_tokens: int = Field(default=0, ge=0)
     max_usage: float = Field(default=1.0, gt=0, le=1.0)
@@ -580,6 +591,7 @@ class Policy(_Strict):
     priority: Priority = Priority()
     monitor: Monitor = Monitor()
     guard: Guard = Guard()
+    experimental: Experimental = Experimental()
 
     def located_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
         """Policies that validate field by field but contradict themselves, each at its field.

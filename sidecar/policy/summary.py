@@ -166,7 +166,8 @@ def _transient_limit(policy: Policy, rules: Rules, chunk: int) -> PromptLimit:
         if policy.vram.max_transient_bytes is None
         else "vram.max_transient_bytes"
     )
-    alone = _alone(rules, chunk, cap, n) if policy.guard.enabled else None
+    own = policy.guard.enabled and policy.experimental.own_schedule_pricing
+    alone = _alone(rules, chunk, cap, n) if own else None
     if alone is not None:
         how += (
             f"; alone, priced by its own chunk schedule, up to {alone:,} where its last chunk falls "
