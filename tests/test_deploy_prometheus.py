@@ -12,7 +12,7 @@ from tests.tools import ROOT, run_tool
 DIR = ROOT / "deploy" / "prometheus"
 RUNBOOK_BASE_TEMPLATE = (
     "{{ with $externalLabels.runbook_base }}{{ . }}{{ else }}"
-    "https://github.com/sglang-sidecar/sglang-sidecar/blob/main{{ end }}"
+    "https://runbooks.invalid/sglang-sidecar{{ end }}"
 )
 
 
