@@ -1,0 +1,254 @@
+"""Where the gated small request's CPU goes, in-process: the real app, no HTTP server in front of it.
+
+The sidecar's ASGI app (built as ``serve`` builds it: the overhead benchmark's policy, a decision log
+written to ``/dev/null``) is called directly, one request at a time, against ``bench/upstream.py``
+under uvicorn in a subprocess. The process CPU of N requests, gated (``POST /generate``) and
+pass-through (``GET /v1/models``), is read with ``time.process_time``: the upstream client's cost is
+in both and cancels out of the difference, which is the gate's work per request.
+
+Two trees are compared in one run (``--base DIR``: another checkout, e.g. ``git archive`` of main),
+each request kind measured in a fresh child per round, trees interleaved, medians reported; then one
+``cProfile`` of the gated path per tree, whose top entries go to the report.
+
+    PYTHONPATH=$PWD python bench/gate_profile.py --base /tmp/base --out bench/results/gate-profile-2core.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import logging
+import os
+import pstats
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_BODY = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scope(gated: bool) -> dict[str, Any]:
+    hdrs = [(b"host", b"127.0.0.1:8000")]
+    if gated:
+        hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(SMALL_BODY)).encode())]
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST" if gated else "GET",
+        "scheme": "http",
+        "path": "/generate" if gated else "/v1/models",
+        "raw_path": b"/generate" if gated else b"/v1/models",
+        "query_string": b"",
+        "root_path": "",
+        "headers": hdrs,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+
+
+async def _one(app: Any, gated: bool) -> int:
+    status = [0]
+    sent_body = [False]
+
+    async def receive() -> dict[str, Any]:
+        if not sent_body[0]:
+            sent_body[0] = True
+            return {"type": "http.request", "body": SMALL_BODY if gated else b"", "more_body": False}
+        await asyncio.Event().wait()  # no disconnect: the request ends first
+        raise AssertionError
+
+    async def send(msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            status[0] = msg["status"]
+
+    await app(_scope(gated), receive, send)
+    return status[0]
+
+
+async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, Any]:
+    from sidecar.app import SidecarApp
+    from sidecar.ops.decision_file import DecisionFile
+    from sidecar.policy.schema import load_policy_text
+    from sidecar.signals.gpu import parse_gpu_source
+
+    sys.path.insert(0, str(ROOT))
+    from bench.overhead import POLICY
+
+    tmp = Path(tempfile.mkdtemp())
+    gpu_file = tmp / "gpu.json"
+    gpu_file.write_text(json.dumps({"free_bytes": 100 << 30, "total_bytes": 141 << 30}))
+    app = SidecarApp(
+        upstream=upstream,
+        policy=load_policy_text(POLICY, "policy.yaml"),
+        gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+        decision_log=DecisionFile(os.devnull, 0, 0),
+    )
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    life = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}}, inbox.get, outbox.put))
+    await inbox.put({"type": "lifespan.startup"})
+    assert (await outbox.get())["type"] == "lifespan.startup.complete"
+    deadline = time.monotonic() + 20
+    while app.admission.snapshot.engine is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    gated = kind == "gated"
+    for _ in range(300):  # warm: connections, caches
+        assert await _one(app, gated) == 200
+    # CPU time, not wall: on a shared machine wall time is mostly other processes' turn.
+    prof = cProfile.Profile(time.process_time) if profile else None
+    t0 = time.process_time()
+    if prof:
+        prof.enable()
+    for _ in range(n):
+        await _one(app, gated)
+    if prof:
+        prof.disable()
+    cpu = time.process_time() - t0
+    out: dict[str, Any] = {"kind": kind, "n": n, "cpu_us_per_request": 1e6 * cpu / n}
+    if prof and os.environ.get("GATE_PROFILE_DUMP"):
+        prof.dump_stats(os.environ["GATE_PROFILE_DUMP"])  # for pstats' callers/callees by hand
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        out["profile_tottime"] = s.getvalue()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
+        out["profile_cumulative"] = s.getvalue()
+    await inbox.put({"type": "lifespan.shutdown"})
+    await outbox.get()
+    await life
+    return out
+
+
+def _run_child(tree: str, upstream: str, kind: str, n: int, profile: bool = False) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": tree}
+    args = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        kind,
+        "--upstream",
+        upstream,
+        "-n",
+        str(n),
+    ]
+    res = subprocess.run(args + (["--profile"] if profile else []), env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.stderr.write(res.stderr[-3000:])
+        raise SystemExit(f"child failed in {tree}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _wait_up(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", choices=["gated", "pass"])
+    ap.add_argument("--upstream")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("-n", type=int, default=2000)
+    ap.add_argument("--base", help="another checkout to compare with (before); default: this one only")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--labels", default="after,before", help="names of this tree and --base's in the report")
+    args = ap.parse_args(argv)
+    if args.child:
+        logging.basicConfig(level=logging.WARNING)
+        print(json.dumps(asyncio.run(_child(args.upstream, args.child, args.n, args.profile))))
+        return 0
+
+    mine, theirs = args.labels.split(",")
+    trees = {mine: str(ROOT)} | ({theirs: args.base} if args.base else {})
+    port = _free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "bench.upstream:app", "--port", str(port), "--log-level", "warning",
+         "--no-access-log"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    upstream = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(upstream + "/health")
+        cpu: dict[tuple[str, str], list[float]] = {(t, k): [] for t in trees for k in ("gated", "pass")}
+        for r in range(args.rounds):
+            order = list(trees) if r % 2 == 0 else list(reversed(trees))
+            for tree in order:
+                for kind in ("gated", "pass"):
+                    cpu[tree, kind].append(
+                        _run_child(trees[tree], upstream, kind, args.n)["cpu_us_per_request"]
+                    )
+            print(
+                f"round {r + 1}: " + ", ".join(f"{t}/{k} {v[-1]:.0f}" for (t, k), v in cpu.items()),
+                flush=True,
+            )
+        profiles = {t: _run_child(trees[t], upstream, "gated", args.n, profile=True) for t in trees}
+    finally:
+        up.terminate()
+        up.wait(10)
+    med = {key: statistics.median(v) for key, v in cpu.items()}
+    lines = [
+        f"- rounds: {args.rounds}, {args.n} sequential requests per child, medians (µs CPU per request)",
+        "",
+    ]
+    lines += ["| tree | gated | pass-through | gate work (gated - pass) |", "|---|---|---|---|"]
+    for t in trees:
+        g, p = med[t, "gated"], med[t, "pass"]
+        lines.append(f"| {t} | {g:.0f} | {p:.0f} | {g - p:.0f} |")
+    if args.base:
+        work = {t: med[t, "gated"] - med[t, "pass"] for t in trees}
+        lines += [
+            "",
+            f"- gated {mine}/{theirs}: {med[mine, 'gated'] / med[theirs, 'gated']:.3f}; "
+            f"gate work {mine}/{theirs}: {work[mine] / work[theirs]:.3f}",
+        ]
+    lines += ["", "raw: " + json.dumps({f"{t}/{k}": [round(x) for x in v] for (t, k), v in cpu.items()})]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        body = [report]
+        for t, prof in profiles.items():
+            body += [
+                f"\n## cProfile, gated path, {t}: by own time\n",
+                "```",
+                prof["profile_tottime"].strip(),
+                "```",
+            ]
+            body += [
+                f"\n## cProfile, gated path, {t}: cumulative\n",
+                "```",
+                prof["profile_cumulative"].strip(),
+                "```",
+            ]
+        args.out.write_text("\n".join(body) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
