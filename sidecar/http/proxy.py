@@ -644,11 +644,7 @@ async def _until_disconnect(
 
         watch.watch_disconnect(on_lost)
         try:
-            await work
-        except asyncio.CancelledError:
-            if gone and task.uncancel() == 0:
-                raise ClientGone from None
-            raise
+            await _client_gone_on_cancel(work, task, lambda: gone)
         finally:
             watch.unwatch_disconnect(on_lost)
         return
@@ -666,14 +662,20 @@ async def _until_disconnect(
 
     listener = asyncio.get_running_loop().create_task(listen())
     try:
-        await work
-    except asyncio.CancelledError:
-        # Ours (the client left) unless someone else cancelled this task too (a shutdown): theirs goes on.
-        if gone and task.uncancel() == 0:
-            raise ClientGone from None
-        raise
+        await _client_gone_on_cancel(work, task, lambda: gone)
     finally:
         listener.cancel()
+
+
+async def _client_gone_on_cancel(work: Awaitable[None], task: asyncio.Task, gone: Callable[[], bool]) -> None:
+    """Await ``work``; a cancellation is ours (the client left: :class:`ClientGone`) unless someone else
+    cancelled this task too (a shutdown), whose cancellation goes on."""
+    try:
+        await work
+    except asyncio.CancelledError:
+        if gone() and task.uncancel() == 0:
+            raise ClientGone from None
+        raise
 
 
 def new_request_id() -> str:
