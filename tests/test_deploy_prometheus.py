@@ -11,8 +11,7 @@ from tests.tools import ROOT, run_tool
 
 DIR = ROOT / "deploy" / "prometheus"
 RUNBOOK_BASE_TEMPLATE = (
-    "{{ with $externalLabels.runbook_base }}{{ . }}{{ else }}"
-    "https://runbooks.invalid/sglang-sidecar{{ end }}"
+    "{{ with $externalLabels.runbook_base }}{{ . }}{{ else }}https://runbooks.invalid/sglang-sidecar{{ end }}"
 )
 
 

@@ -226,7 +226,9 @@ async def test_a_million_sequences_is_unfit_at_once(tmp_path: Path) -> None:
         ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"]}),
     ]
     async with (
-        lane(tmp_path, engine, app_kwargs={"trust_emulator_sizes": False}, engine_queue__max_requests=4) as (
+        lane(
+            tmp_path, engine, app_kwargs={"trust_emulator_sizes": False}, limits__max_sequences_per_request=4
+        ) as (
             url,
             _app,
             _,
@@ -252,7 +254,6 @@ async def test_a_million_sequences_is_unfit_at_once(tmp_path: Path) -> None:
     [
         ({"limits__max_sequences_per_request": 2}, 3, "sequences"),
         ({"lane__max_running_requests": 3}, 4, "running_requests"),
-        ({"engine_queue__max_requests": 5}, 6, "engine_queue"),
     ],
 )
 def test_each_sequence_limit_makes_a_request_unfit(overrides: dict, samples: int, limit: str) -> None:
@@ -266,6 +267,18 @@ def test_each_sequence_limit_makes_a_request_unfit(overrides: dict, samples: int
     assert d.reason is not None and d.reason.value == "unfit_request"
     assert d.checks[0].limit == limit and d.checks[0].need == samples
     assert a.evaluate(demand.build(a.rules, 10, arrived_at=a.clock.now(), samples=samples - 1)).admitted
+
+
+def test_the_engine_queue_throttle_lets_a_request_alone_through_whatever_its_sequences() -> None:
+    """``engine_queue.max_requests`` keeps SGLang's queue short; it is not the engine's limit, so a
+    request of more sequences than it (n = 4 on a lane throttled at 2) passes alone and is not unfit."""
+    from sidecar.admission.clock import LoopClock
+    from sidecar.admission.controller import Admission
+    from sidecar.core import demand
+
+    a = Admission(small_policy(engine_queue__max_requests=2), LoopClock())
+    a.update_snapshot(snapshot(a.clock.now()))
+    assert a.evaluate(demand.build(a.rules, 10, arrived_at=a.clock.now(), samples=4)).admitted
 
 
 def test_the_policy_bound_on_sequences_has_a_default() -> None:

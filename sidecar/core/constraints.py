@@ -201,8 +201,9 @@ def _mamba_claim(r: Reading) -> int:
 class WorkAhead:
     """Work waiting in the engine ahead of this request (the larger of the engine's gauge and the
     ledger: the gauge lags, the ledger does not) plus this request's own, within a limit. A request
-    alone passes: pending prefill tokens of one long prompt are no reason to wait for ever. A request
-    with more sequences than the engine-queue limit never gets here: ``decide._unfit`` refuses it.
+    alone passes: pending prefill tokens of one long prompt, or the ``n`` copies of one sampled prompt,
+    are no reason to wait for ever. A request over the engine's own limits never gets here
+    (``decide._unfit``: the sequence bound, the running-request limit, the pool's decode room).
 
     Two constraints have this shape: the engine queue (sequences not yet prefilled; a request waiting
     *inside* SGLang is beyond the gate's reach) and pending prefill tokens.

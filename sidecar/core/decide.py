@@ -303,9 +303,10 @@ def _decode_room(demand: Demand, s: Situation, charge: Charge) -> Check | None:
 
 def _too_many_sequences(demand: Demand, s: Situation, charge: Charge) -> Check | None:
     """More sequences (prompts x samples: ``n``, ``best_of``, a batch) than one request may have: the
-    policy's bound, the engine-queue limit, the engine's running-request limit. Each sequence is an
-    entry in the engine's queue and a running request there, so a request over either limit can never
-    be taken whole, and letting it in alone (the queue limits' old rule) handed SGLang a million."""
+    policy's bound and the engine's running-request limit (each sequence runs as a request there, so a
+    request over it can never be taken whole; letting it in alone handed SGLang a million). The
+    policy's ``engine_queue.max_requests`` is a throttle, not the engine's limit: a request alone still
+    passes it (SGLang prefills the ``n`` copies of a cached prompt as one batch)."""
     rules, e = s.rules, s.snapshot.engine
     running = (e.max_running_requests if e else None) or rules.lane.max_running_requests
     for limit, have, note in (
@@ -314,7 +315,6 @@ def _too_many_sequences(demand: Demand, s: Situation, charge: Charge) -> Check |
             rules.max_sequences_per_request,
             "more sequences than limits.max_sequences_per_request",
         ),
-        ("engine_queue", rules.engine_queue.limit, "more sequences than engine_queue.max_requests"),
         ("running_requests", running, "more sequences than the engine's max_running_requests"),
     ):
         if have is not None and demand.sequences > have:
