@@ -82,16 +82,20 @@ def test_a_request_wider_than_the_mamba_pool_is_unfit(clock: ManualClock) -> Non
     assert r.decision.reason is Reason.UNFIT_REQUEST
 
 
-def test_a_request_wider_than_the_engine_queue_is_unfit_even_alone(clock: ManualClock) -> None:
-    """Issue 24: wider than max_requests was admitted alone ("it would otherwise wait for ever"), so
-    `n: 1000000` reached SGLang. Such a request can never be taken whole: unfit at once, no hold."""
-    a = Admission(small_policy(**LANE), clock)
+def test_a_request_wider_than_the_engine_runs_is_unfit_even_alone(clock: ManualClock) -> None:
+    """Issue 24: a request wider than the queue limit was admitted alone ("it would otherwise wait for
+    ever"), so `n: 1000000` reached SGLang. One wider than the engine's running limit can never be taken
+    whole: unfit at once, no hold. The policy's engine-queue throttle is not such a limit: alone, a
+    request wider than it still passes."""
+    a = Admission(
+        small_policy(**{**LANE, "lane__max_running_requests": 12, "engine_queue__max_requests": 4}), clock
+    )
     a.update_snapshot(snapshot(clock()))
-    r = submit(a, demand.build(a.rules, 10, arrived_at=clock(), samples=20))
+    r = submit(a, demand.build(a.rules, 10, arrived_at=clock(), samples=13))
     assert r.outcome is Outcome.REJECTED and r.decision is not None
     assert r.decision.reason is Reason.UNFIT_REQUEST
-    assert r.decision.checks[0].limit == "engine_queue"
-    assert submit(a, demand.build(a.rules, 10, arrived_at=clock(), samples=10)).admitted
+    assert r.decision.checks[0].limit == "running_requests"
+    assert submit(a, demand.build(a.rules, 10, arrived_at=clock(), samples=12)).admitted
 
 
 def test_reprice_keeps_the_request_and_reprices_its_cost() -> None:
