@@ -355,7 +355,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print("\nTHE GATED ENGINE CRASHED: the policy let through what the engine could not hold.")
     else:
         print(
-            f"with the gate: no crash; every request ended admitted or answered with its reason (a 503 + Retry-After when it may come back); "
+            f"with the gate: no crash; every request ended admitted or answered with its reason (a 429 + Retry-After when it may come back, a 413 when it never fits); "
             f"ledger at end: {gated['ledger_at_end']}"
         )
     print(

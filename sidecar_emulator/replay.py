@@ -768,7 +768,7 @@ SUMMARY_ROWS = [
     ("requests sent", lambda r: str(r["requests"])),
     ("completed", lambda r: str(r["completed"])),
     ("failed (engine)", lambda r: str(r["failed"])),
-    ("rejected (503)", lambda r: str(r["rejected"])),
+    ("rejected (413, 429, 503)", lambda r: str(r["rejected"])),
     ("  by reason", lambda r: ", ".join(f"{k} {v}" for k, v in r["rejected_by_reason"].items()) or "-"),
     ("held, then admitted", lambda r: str(r["held_then_admitted"])),
     ("retry at Retry-After let in", lambda r: _retry_fraction(r, "retry_after_let_in")),
