@@ -4,7 +4,9 @@ Starts the emulator as a process (``--cuda``: the profile's pools and transients
 ``torch.empty`` blocks under PyTorch's caching allocator, the card filled to the profile's idle free
 memory), runs ``sglang-sidecar calibrate --gpu-source nvml`` against it, and compares the fit with the
 profile's true coefficients, term by term, and the fitted projection with the true peak over a grid of
-prompt lengths (the worst under-prediction). Once per allocator setting (default and
+prompt lengths (the worst under-prediction). ``--empty-cache-interval 1`` runs the engine as SGLang
+with ``--sleep-on-idle`` and ``SGLANG_EMPTY_CACHE_INTERVAL=1`` (calibrate then reads each multi-chunk
+probe as its last chunk over its cached prefix). Once per allocator setting (default and
 ``expandable_segments:True``), each in a fresh emulator process. Without ``--cuda`` it runs the same
 on the modeled device (``--gpu-file``), to test the script on a machine without a GPU:
 
@@ -85,6 +87,9 @@ def one_run(args: argparse.Namespace, alloc_conf: str | None, work: Path) -> dic
     ]
     if args.cuda:
         emu.append("--cuda")
+    interval = float(getattr(args, "empty_cache_interval", 0.0) or 0.0)
+    if interval > 0:  # SGLang --sleep-on-idle with SGLANG_EMPTY_CACHE_INTERVAL: calibrate reads last chunks
+        emu += ["--empty-cache-interval", str(interval)]
     log = open(work / f"emulate-{alloc_conf or 'default'}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(emu, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     out_json = work / "run.json"
@@ -192,6 +197,12 @@ def main() -> int:
     ap.add_argument("--profile", default="h200-qwen3next", choices=sorted(POLICY))
     ap.add_argument("--speed", type=float, default=20.0)
     ap.add_argument("--budget-s", type=float, default=200.0)
+    ap.add_argument(
+        "--empty-cache-interval",
+        type=float,
+        default=0.0,
+        help="the engine empties its allocator cache after idling this long (SGLANG_EMPTY_CACHE_INTERVAL)",
+    )
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
     results = {"facts": facts(args.cuda), "profile": args.profile, "cuda": args.cuda, "runs": []}

@@ -47,7 +47,11 @@ def calibrate_on_card(args: argparse.Namespace, work: Path) -> tuple[Path | None
     from bench import calibrate_cuda
 
     ns = argparse.Namespace(
-        cuda=args.cuda, profile=args.profile, speed=args.calibrate_speed, budget_s=args.budget_s
+        cuda=args.cuda,
+        profile=args.profile,
+        speed=args.calibrate_speed,
+        budget_s=args.budget_s,
+        empty_cache_interval=args.empty_cache_interval,
     )
     result = calibrate_cuda.one_run(ns, args.alloc_conf, work)
     proposed = work / "proposed.yaml"
@@ -133,6 +137,13 @@ def main() -> int:
     ap.add_argument("--window-s", type=float, default=300.0, help="engine seconds each scenario runs")
     ap.add_argument("--margins", default=",".join(str(m) for m in MARGINS))
     ap.add_argument("--reserves-mib", default=",".join(str(r) for r in RESERVES_MIB))
+    ap.add_argument(
+        "--empty-cache-interval",
+        type=float,
+        default=0.0,
+        help="while calibrating, the engine empties its allocator cache after idling this long "
+        "(SGLang --sleep-on-idle with SGLANG_EMPTY_CACHE_INTERVAL); 0: never, as before",
+    )
     args = ap.parse_args()
     if args.alloc_conf == "default":
         args.alloc_conf = None  # PyTorch's own default: the variable unset (torch aborts on "default")
@@ -152,6 +163,7 @@ def main() -> int:
         )
         proposal = load_policy_file(proposed) if proposed else None
         proposal_text = proposed.read_text() if proposed else None
+    info["empty_cache_interval_s"] = args.empty_cache_interval
     results: dict[str, object] = {
         "facts": info,
         "profile": args.profile,

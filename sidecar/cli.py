@@ -164,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="seed of the model's noise")
     e.add_argument("--cuda", action="store_true", help="allocate the pool and transients on the real GPU")
     e.add_argument("--restart-s", type=float, default=None, help="downtime after a crash (default: profile)")
+    e.add_argument(
+        "--empty-cache-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="empty the allocator cache while idle, at most every S wall seconds (SGLang's --sleep-on-idle "
+        "with SGLANG_EMPTY_CACHE_INTERVAL; default: that variable, else off)",
+    )
     e.add_argument("--list-profiles", action="store_true", help="list the lane profiles and exit")
 
     w = sub.add_parser(

@@ -44,6 +44,9 @@ class Device(Protocol):
     def restart(self) -> None:
         """The engine process is back: its static allocations are held again."""
 
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: free cached blocks go back to the driver (NVML sees them free)."""
+
 
 def oom_message(requested: int, free: int, total_visible: int, process_bytes: int) -> str:
     """PyTorch's wording, so logs and error strings read like the real crash."""
@@ -65,6 +68,8 @@ class ModeledDevice:
         self._live = 0
         self._cached = 0
         self._down = False
+        # ``allocator_segments``: each segment's size and what the current step uses of it.
+        self._segments: list[list[int]] = []
 
     def set_other_process_bytes(self, nbytes: int) -> None:
         """Another process on the card grows or shrinks: it takes or gives back the engine's room."""
@@ -75,6 +80,8 @@ class ModeledDevice:
         if self._down:
             p = self.profile
             return p.device_total_bytes - p.device_reserved_bytes - self.other_process_bytes
+        if self.profile.allocator_segments:
+            return self._idle_free - sum(size for size, _used in self._segments)
         held = max(self._live, self._cached) if self.profile.allocator_caches_transients else self._live
         return self._idle_free - held
 
@@ -83,6 +90,9 @@ class ModeledDevice:
         return self._live
 
     def allocate(self, nbytes: int) -> None:
+        if self.profile.allocator_segments:
+            self._allocate_segment(nbytes)
+            return
         # An out-of-memory retry in PyTorch releases the cache first: only live bytes decide.
         free = self._idle_free - self._live
         if nbytes > free:
@@ -93,12 +103,42 @@ class ModeledDevice:
         self._live += nbytes
         self._cached = max(self._cached, self._live)
 
+    def _allocate_segment(self, nbytes: int) -> None:
+        """PyTorch's default allocator, per step: best fit in a segment's free tail, else a new segment
+        (2 MiB granularity); when the driver has no room, the free segments are released and it retries."""
+        fits = [s for s in self._segments if s[0] - s[1] >= nbytes]
+        if fits:
+            best = min(fits, key=lambda s: s[0] - s[1])
+            best[1] += nbytes
+            self._live += nbytes
+            return
+        size = -(-nbytes // (2 * MiB)) * (2 * MiB)
+        if sum(s[0] for s in self._segments) + size > self._idle_free:
+            self.empty_cache()  # the out-of-memory retry: release every free segment, then try again
+        in_use = sum(s[0] for s in self._segments)
+        if in_use + size > self._idle_free:
+            p = self.profile
+            free = self._idle_free - in_use
+            visible = p.device_total_bytes - p.device_reserved_bytes
+            raise OutOfMemory(
+                nbytes, free, oom_message(nbytes, free, visible, p.engine_static_bytes + in_use)
+            )
+        self._segments.append([size, nbytes])
+        self._live += nbytes
+
     def release_transients(self) -> None:
         self._live = 0
+        for s in self._segments:
+            s[1] = 0
+
+    def empty_cache(self) -> None:
+        self._cached = self._live
+        self._segments = [s for s in self._segments if s[1] > 0]
 
     def crash(self) -> None:
         self._live = 0
         self._cached = 0
+        self._segments = []
         self._down = True
 
     def restart(self) -> None:
@@ -183,6 +223,9 @@ class TorchDevice:
     def release_transients(self) -> None:
         self._transients.clear()  # freed into PyTorch's cache, as in the real engine
 
+    def empty_cache(self) -> None:
+        self._torch.cuda.empty_cache()
+
     def crash(self) -> None:
         self._transients.clear()
         self._static.clear()
@@ -237,6 +280,10 @@ class TensorParallelDevice:
     def release_transients(self) -> None:
         for r in self.ranks:
             r.release_transients()
+
+    def empty_cache(self) -> None:
+        for r in self.ranks:
+            r.empty_cache()
 
     def crash(self) -> None:
         for r in self.ranks:

@@ -283,6 +283,35 @@ class EngineModel:
         if self._step is None:
             self._start_step(now)
 
+    @property
+    def idle(self) -> bool:
+        """Fully idle (SGLang ``Scheduler.is_fully_idle``): nothing running, queued or in a step."""
+        return self._up and not self._requests and self._step is None
+
+    def flush_cache(self, now: float) -> bool:
+        """SGLang's ``POST /flush_cache`` (``Scheduler.flush_cache(empty_cache=True)``): only when fully
+        idle, the radix cache is reset (Mamba checkpoints with it) and PyTorch's allocator cache is
+        emptied (``current_platform.empty_cache()``); docs/evidence.md RC2. False when busy."""
+        self._advance_to(now)
+        if not self.idle:
+            return False
+        self._cache.clear()
+        self._cache_total = 0
+        self._mamba_free += self._mamba_evictable
+        self._mamba_evictable = 0
+        self._mutations += 1
+        self._device.empty_cache()
+        return True
+
+    def empty_allocator_cache(self, now: float) -> bool:
+        """SGLang's idle sleeper with ``SGLANG_EMPTY_CACHE_INTERVAL`` (``IdleSleeper.maybe_sleep``): while
+        idle, the allocator cache is emptied; the radix cache stays. False (nothing done) when busy."""
+        self._advance_to(now)
+        if not self.idle:
+            return False
+        self._device.empty_cache()
+        return True
+
     def abort(self, rid: str, now: float) -> bool:
         """Drop a request (client disconnect); frees what it held. Returns whether it was in flight."""
         self._advance_to(now)

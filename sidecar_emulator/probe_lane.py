@@ -31,9 +31,30 @@ from sidecar_emulator.profiles import LaneProfile
 class ModelLane:
     """Both :class:`sidecar.calibrate.fit.Lane` and :class:`sidecar.calibrate.fit.Meter` for one model."""
 
-    def __init__(self, model: EngineModel) -> None:
+    def __init__(
+        self, model: EngineModel, *, flushes: bool = False, empty_cache_interval_s: float = 0.0
+    ) -> None:
         self.model = model
         self.t = model.now
+        # ``flushes``: the engine answers ``POST /flush_cache``; ``empty_cache_interval_s``: it empties
+        # its allocator cache after idling this long (engine seconds; SGLANG_EMPTY_CACHE_INTERVAL).
+        self.flushes = flushes
+        self.empty_cache_interval_s = empty_cache_interval_s
+        self._idle_s = 0.0
+
+    async def flush(self) -> bool:
+        return self.flushes and self.model.flush_cache(self.t)
+
+    async def idle(self, seconds: float) -> None:
+        """Let the engine idle for ``seconds`` (virtual time), emptying its cache if it is due."""
+        self.t += seconds
+        self._idle_s += seconds
+        if 0 < self.empty_cache_interval_s <= self._idle_s and self.model.empty_allocator_cache(self.t):
+            self._idle_s = 0.0
+
+    async def warm(self, probe: Probe, seq: int) -> str | None:
+        self._idle_s = 0.0
+        return self._run({f"warm-{seq}": probe.cached_tokens}, f"calibrate-{seq}", None, 1)
 
     async def info(self) -> EngineInfo:
         p = self.model.profile
@@ -46,10 +67,11 @@ class ModelLane:
             live.pending_prefill_tokens,
         )
 
-    async def send(self, probe: Probe, seq: int) -> str | None:
+    async def send(self, probe: Probe, seq: int, warmed: bool = False) -> str | None:
         m = self.model
+        self._idle_s = 0.0
         key = f"calibrate-{seq}" if probe.cached_tokens else None
-        if key is not None:
+        if key is not None and not warmed:
             err = self._run({f"warm-{seq}": probe.cached_tokens}, key, None, 1)
             if err is not None:
                 return err

@@ -152,6 +152,12 @@ class LaneProfile:
     # mark; an out-of-memory retry releases the cache first, so only live bytes decide a crash. On by
     # default: every PyTorch engine does this (measured on an H200: bench/results/).
     allocator_caches_transients: bool = True
+    # PyTorch's DEFAULT caching allocator (no ``expandable_segments``): a freed block serves only a
+    # request that fits in it, so each prefill chunk's larger transient reserves a new segment and the
+    # reserved memory (what NVML shows) adds up over chunks; an out-of-memory retry releases the free
+    # segments first (docs/evidence.md G3, RC1). Off: the cache holds only the largest live set (what
+    # expandable segments do). ``emulate --cuda`` gets the real allocator's behaviour either way.
+    allocator_segments: bool = False
 
     # --- lifecycle and publication ---------------------------------------------------------------
     restart_s: float = 774.0  # evidence I6: "down 12 min 54 s"

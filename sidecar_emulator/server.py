@@ -46,7 +46,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +227,10 @@ def fake_token_ids(text: str) -> list[int]:
     return [int.from_bytes(data[4 * i : 4 * i + 4] or b"\0", "little") % VOCAB_SIZE for i in range(n)]
 
 
+# SGLang's idle scheduler polls its sockets this long before it may empty the cache (IdleSleeper).
+IDLE_POLL_S = 1.0
+
+
 # ---------------------------------------------------------------------------------------- emulator
 class Emulator:
     """Owns the model, its clock, the per-request event queues and the listening socket's fate."""
@@ -240,6 +244,7 @@ class Emulator:
         down_mode: str = "refuse",
         tick_s: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
+        empty_cache_interval_s: float = 0.0,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be positive")
@@ -262,6 +267,13 @@ class Emulator:
         self._host = "127.0.0.1"
         self._port = 0
         self._listening = True
+        # SGLang's idle sleeper with SGLANG_EMPTY_CACHE_INTERVAL (wall seconds, as there): while idle,
+        # the allocator cache is emptied at most this often (0: never, SGLang's default).
+        self.empty_cache_interval_s = empty_cache_interval_s
+        self._last_empty = clock()
+        self._idle_since: float | None = None
+        # The radix cache over token ids: (length, hash of the ids, the model's prefix key).
+        self._id_prefixes: list[tuple[int, int, str]] = []
 
     # -- time
     def now(self) -> float:
@@ -355,12 +367,43 @@ class Emulator:
                 queue.put_nowait(event)
         if self.model.up and not self._listening:
             await self._listen_again()
+        self._maybe_empty_cache(now)
         self._write_gpu_file()
         nxt = self.model.next_event_time()
         delay = self.tick_s if nxt is None else min(self.tick_s, max(0.0, (nxt - now) / self.speed))
         self._kick.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._kick.wait(), timeout=max(delay, 0.001))
+
+    def _maybe_empty_cache(self, now: float) -> None:
+        """SGLang's ``IdleSleeper.maybe_sleep``: an idle scheduler polls its sockets for up to 1 s, then
+        empties the cache if the interval has passed since it last did."""
+        if self.empty_cache_interval_s <= 0:
+            return
+        wall = self._clock()
+        if not self.model.idle:
+            self._idle_since = None
+            return
+        if self._idle_since is None:
+            self._idle_since = wall
+        polled = wall - self._idle_since >= IDLE_POLL_S
+        if polled and wall - self._last_empty > self.empty_cache_interval_s:
+            self.model.empty_allocator_cache(now)
+            self._last_empty = wall
+
+    def prefix_for_ids(self, ids: list[int]) -> tuple[str, int | None]:
+        """SGLang's radix match for a prompt of token ids: the longest earlier prompt it starts with
+        (its prefix key and length), else a new key for this prompt."""
+        for length, digest, key in sorted(self._id_prefixes, reverse=True):
+            if (
+                length <= len(ids)
+                and self.model.cached_prefix_tokens(key)
+                and hash(tuple(ids[:length])) == digest
+            ):
+                return key, length
+        key = f"ids-{uuid.uuid4().hex}"
+        self._id_prefixes = [*self._id_prefixes[-63:], (len(ids), hash(tuple(ids)), key)]
+        return key, None
 
     def _log_crash(self, crash: Crashed) -> None:
         """What SGLang's own log would show, plus what a postmortem needs: the state at the crash
@@ -541,9 +584,17 @@ def build_emulator_app(
     *,
     down_mode: str = "refuse",
     tick_s: float = 0.02,
+    empty_cache_interval_s: float = 0.0,
 ) -> Starlette:
     """The emulator as an ASGI app; ``app.state.emulator`` is its :class:`Emulator`."""
-    emu = Emulator(model, speed=speed, gpu_file=gpu_file, down_mode=down_mode, tick_s=tick_s)
+    emu = Emulator(
+        model,
+        speed=speed,
+        gpu_file=gpu_file,
+        down_mode=down_mode,
+        tick_s=tick_s,
+        empty_cache_interval_s=empty_cache_interval_s,
+    )
     profile = model.profile
 
     def unavailable() -> Response | None:
@@ -561,7 +612,12 @@ def build_emulator_app(
     async def run_generation(request: Request, kind: str) -> Response:
         error = _generate_error if kind == "generate" else _openai_error
         try:
-            req = parse_generation(await read_json(request), kind)
+            body = await read_json(request)
+            req = parse_generation(body, kind)
+            ids = body.get("input_ids") if kind == "generate" else None
+            if req.prefix_key is None and isinstance(ids, list) and ids:
+                key, hit = emu.prefix_for_ids(ids)
+                req = replace(req, prefix_key=key, cached_tokens=hit)
             problem = model.validate(req.prompt_tokens, req.max_new_tokens)
             if problem is not None:
                 raise BadRequest(problem)
@@ -600,6 +656,16 @@ def build_emulator_app(
 
     async def info(request: Request) -> Response:
         return JSONResponse(server_info(model))
+
+    async def flush_cache(request: Request) -> Response:
+        # SGLang's http_server.flush_cache: 200 when flushed, 400 with the same text when busy.
+        ok = model.flush_cache(emu.now())
+        emu._write_gpu_file()
+        text = (
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            "waiting requests, the operation will not be performed.)\n"
+        )
+        return PlainTextResponse(text, status_code=200 if ok else 400)
 
     async def health(request: Request) -> Response:
         return Response(status_code=200 if model.up else 503)
@@ -654,6 +720,7 @@ def build_emulator_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/loads", loads, methods=["GET"]),
         Route("/server_info", info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
         Route("/get_server_info", info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
@@ -927,10 +994,13 @@ async def run_emulator(
     cuda: bool = False,
     down_mode: str = "refuse",
     log_level: str = "info",
+    empty_cache_interval_s: float = 0.0,
 ) -> None:
     """Serve until cancelled (``sglang-sidecar emulate``)."""
     model = build_model(profile, seed, cuda=cuda)
-    app = build_emulator_app(model, speed, gpu_file, down_mode=down_mode)
+    app = build_emulator_app(
+        model, speed, gpu_file, down_mode=down_mode, empty_cache_interval_s=empty_cache_interval_s
+    )
     server = EmulatorServer(app, host, port, log_level=log_level)
     await server.start()
     try:
@@ -969,9 +1039,18 @@ def main(args: argparse.Namespace) -> int:
                 seed=int(getattr(args, "seed", 0)),
                 gpu_file=Path(gpu_file) if gpu_file else None,
                 cuda=bool(getattr(args, "cuda", False)),
+                empty_cache_interval_s=_empty_cache_interval(args),
             )
         )
     return 0
+
+
+def _empty_cache_interval(args: argparse.Namespace) -> float:
+    """``--empty-cache-interval``, else ``SGLANG_EMPTY_CACHE_INTERVAL`` as SGLang reads it (0: off)."""
+    value = getattr(args, "empty_cache_interval", None)
+    if value is None:
+        value = os.environ.get("SGLANG_EMPTY_CACHE_INTERVAL") or 0
+    return float(value)
 
 
 __all__ = [

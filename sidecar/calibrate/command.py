@@ -108,10 +108,28 @@ class HttpLane:
             return f"HTTP {resp.status_code}: {resp.text[:200]}"
         return None
 
-    async def send(self, probe: Probe, seq: int) -> str | None:
+    async def flush(self) -> bool:
+        """SGLang's ``POST /flush_cache``: when the engine is idle it resets the radix cache and empties
+        PyTorch's allocator cache (``Scheduler.flush_cache(empty_cache=True)``, docs/evidence.md RC2)."""
+        try:
+            resp = await self._client.post(f"{self.base_url}/flush_cache", headers=self._auth)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    @staticmethod
+    def _prefix(probe: Probe, seq: int) -> tuple[random.Random, list[int]]:
         rng = random.Random(seq)  # distinct ids per probe: no probe hits another's cached prefix
-        prefix = [rng.randrange(1000, 30000) for _ in range(probe.cached_tokens)]
-        if prefix:
+        return rng, [rng.randrange(1000, 30000) for _ in range(probe.cached_tokens)]
+
+    async def warm(self, probe: Probe, seq: int) -> str | None:
+        """Send only the probe's cached prefix (the radix cache keeps it for :meth:`send`)."""
+        _rng, prefix = self._prefix(probe, seq)
+        return await self._one(prefix, 1) if prefix else None
+
+    async def send(self, probe: Probe, seq: int, warmed: bool = False) -> str | None:
+        rng, prefix = self._prefix(probe, seq)
+        if prefix and not warmed:
             err = await self._one(prefix, 1)
             if err is not None:
                 return err
@@ -177,6 +195,19 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type = argparse.HelpF
     c.add_argument("--max-duration-s", type=float, default=900.0, metavar="S", help="time budget")
     c.add_argument("--safety", type=float, default=0.05, help="stated margin on top of the envelope (0.05)")
     c.add_argument("--cached-prefix", action="store_true", help="also probe a request with a cached prefix")
+    c.add_argument(
+        "--no-flush",
+        action="store_true",
+        help="do not flush the engine's caches (POST /flush_cache) before each probe",
+    )
+    c.add_argument(
+        "--settle-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="wait this long for the engine to empty its allocator cache while idle before a multi-chunk "
+        "probe's last chunk (SGLang --sleep-on-idle, SGLANG_EMPTY_CACHE_INTERVAL); 0: read cold probes",
+    )
     c.add_argument("--dry-run", action="store_true", help="print the probe plan and exit")
     c.add_argument("--json", metavar="OUT", help="also write the observations and the fit as JSON")
     c.add_argument("--name", help="the proposal's policy name (default: from the model and context)")
@@ -256,6 +287,8 @@ async def _calibrate(args: argparse.Namespace, policy, policy_text: str, source:
             args.max_total_tokens,
             args.max_duration_s,
             reserve_bytes=int(policy.vram.reserve_bytes),
+            flush=not getattr(args, "no_flush", False),
+            settle_s=float(getattr(args, "settle_s", 5.0)),
         )
         meter = GpuMeter(source)
         say = None if getattr(args, "quiet", False) else _progress

@@ -91,6 +91,12 @@ class Bounds:
     # A probe is sent only if its predicted peak stays below this fraction of the idle headroom.
     headroom_fraction: float = 0.9
     reserve_bytes: int = 0
+    # Empty the engine's caches before each probe (SGLang ``POST /flush_cache``: the radix cache and
+    # PyTorch's allocator cache), so that each probe is read over a freshly idle engine.
+    flush: bool = True
+    # How long to wait, after a multi-chunk probe's prefix, for the engine to empty its allocator cache
+    # while idle (SGLang ``--sleep-on-idle`` with ``SGLANG_EMPTY_CACHE_INTERVAL``); 0: never wait.
+    settle_s: float = 5.0
 
 
 def plan_probes(
@@ -281,6 +287,8 @@ class ProbeRun:
     stopped: str | None = None
     duration_s: float = 0.0
     tokens_sent: int = 0
+    # How the engine's allocator cache was handled (flushes, the last-chunk reading): the report's notes.
+    notes: list[str] = field(default_factory=list)
 
 
 def order_probes(probes: Sequence[Probe], predict: Callable[[Probe], float]) -> list[Probe]:
@@ -390,6 +398,12 @@ class _ProbeLoop:
     frontier_sent: bool = False
     deferred: bool = False  # the groups wait for the frontier (see _start_frontier)
     seq: int = 0
+    # The engine empties its caches on request (``Bounds.flush`` and the lane's ``flush``): every probe
+    # is then read over a freshly idle engine, the mark starts at zero each time.
+    flushing: bool = False
+    # Whether the engine empties its allocator cache while idle (None: not tried yet). When it does, a
+    # multi-chunk probe is read as its last chunk over its cached prefix (``_last_chunk``).
+    idle_empty: bool | None = None
 
     def __post_init__(self) -> None:
         self.chunk = self.run.info.chunked_prefill_size
@@ -404,6 +418,13 @@ class _ProbeLoop:
 
     async def go(self, lane: Lane, meter: Meter) -> None:
         base = await meter.held_bytes()
+        if self.bounds.flush and await _flush(lane):
+            self.flushing = True
+            base = await meter.held_bytes()
+            self.run.notes.append(
+                "the engine's caches were flushed before every probe (POST /flush_cache: radix cache and "
+                "allocator cache), so each probe was read over a freshly idle engine"
+            )
         t0 = self.clock()
         total = len(self.singles) + len(self.groups)
         while self.singles or self.groups:
@@ -431,7 +452,21 @@ class _ProbeLoop:
                 f"calibrate: probe {self.seq} ({len(self.run.observations) + len(self.run.skipped) + 1} of "
                 f"~{total}) {probe.name}: {probe.tokens_sent:,} tokens, predicted {predicted / MiB:,.0f} MiB ..."
             )
-            error, during = await _send_sampling(lane, meter, probe, self.seq, self.bounds)
+            warmed = False
+            if self.flushing:
+                await _flush(lane)
+                base = await meter.held_bytes()
+                if self._last_chunk_due(probe):
+                    probe, warmed, error = await self._last_chunk(lane, meter, probe, base)
+                    if error is not None:
+                        self._record(probe, predicted, 0, error)
+                        self.run.stopped = f"{probe.name} failed: {error}"
+                        self.say(f"calibrate:   {probe.name}: {error}")
+                        break
+                    if not warmed:
+                        await _flush(lane)
+                        base = await meter.held_bytes()
+            error, during = await _send_sampling(lane, meter, probe, self.seq, self.bounds, warmed=warmed)
             held = max(during, await meter.held_bytes()) - base
             o = self._record(probe, predicted, held, error)
             shown = "no new peak" if o.censored else f"{o.after / MiB:,.0f} MiB over idle"
@@ -440,6 +475,53 @@ class _ProbeLoop:
                 self.run.stopped = f"{probe.name} failed: {error}"
                 break
         self.run.duration_s = self.clock() - t0
+
+    def _last_chunk_due(self, probe: Probe) -> bool:
+        return (
+            self.idle_empty is not False
+            and self.bounds.settle_s > 0
+            and probe.concurrent == 1
+            and probe.cached_tokens == 0
+            and probe.prompt_tokens > self.chunk
+        )
+
+    async def _last_chunk(
+        self, lane: Lane, meter: Meter, probe: Probe, base: int
+    ) -> tuple[Probe, bool, str | None]:
+        """A multi-chunk probe read as its last chunk: the prompt less its last chunk is sent first (the
+        radix cache keeps it), the engine empties its allocator cache while idle, then the whole prompt
+        runs one prefill step, the one the gate prices, over an empty cache. PyTorch's default allocator
+        cannot serve a chunk's larger transients from the earlier chunks' freed blocks, so a cold
+        multi-chunk probe's high-water mark adds up over its chunks; one step's cannot (docs/evidence.md
+        RC3). (the probe as read, whether the prefix was cached, error)"""
+        warm = getattr(lane, "warm", None)
+        if warm is None:
+            self.idle_empty = False
+            return probe, False, None
+        last = probe.prompt_tokens - (math.ceil(probe.prompt_tokens / self.chunk) - 1) * self.chunk
+        step = replace(probe, cached_tokens=probe.prompt_tokens - last)
+        error = await warm(step, self.seq)
+        if error is not None:
+            return probe, False, error
+        self.run.tokens_sent += step.cached_tokens
+        if await _settled(lane, meter, base, self.bounds.settle_s):
+            if self.idle_empty is None:
+                self.run.notes.append(
+                    "multi-chunk probes were read as their last chunk over their cached prefix, after the "
+                    "engine emptied its allocator cache while idle: one prefill step's peak, not the "
+                    "allocator's high-water mark over every chunk"
+                )
+            self.idle_empty = True
+            return step, True, None
+        self.idle_empty = False
+        self.run.notes.append(
+            f"the engine did not empty its allocator cache within {self.bounds.settle_s:g} s of idling: "
+            "multi-chunk probes read the allocator's high-water mark over all their chunks (an upper "
+            "bound; with PyTorch's default allocator it adds up chunk after chunk). Run SGLang with "
+            "--sleep-on-idle and SGLANG_EMPTY_CACHE_INTERVAL=1 while calibrating (docs/calibrate.md)"
+        )
+        self.say(f"calibrate: {self.run.notes[-1]}")
+        return probe, False, None
 
     def _frontier(self) -> None:
         """Size (or re-size) the frontier probe under the fit as it is now, until it is sent."""
@@ -538,6 +620,8 @@ class _ProbeLoop:
         self.run.observations.append(o)
         if not censored:
             self.mark, self.mark_single_tokens = after, (probe.prompt_tokens if single else 0)
+        if self.flushing:  # the next probe starts from an emptied cache
+            self.mark, self.mark_single_tokens = 0, 0
         if error is None and (fitted := try_fit(self.run.observations, self.chunk)) is not None:
             self.fitted_yet = True
             self.current = replace(
@@ -548,10 +632,39 @@ class _ProbeLoop:
         return o
 
 
+async def _flush(lane: Lane) -> bool:
+    """Ask the engine to empty its caches (a lane without ``flush``, or one that refuses: False)."""
+    flush = getattr(lane, "flush", None)
+    if flush is None:
+        return False
+    try:
+        return bool(await flush())
+    except Exception:  # an engine without the endpoint is probed as before
+        return False
+
+
+SETTLE_POLL_S = 0.25
+
+
+async def _settled(lane: Lane, meter: Meter, base: int, settle_s: float) -> bool:
+    """Wait (the lane's ``idle``, else wall time) until the engine's held memory is back within 8 MiB of
+    ``base``: its allocator cache was emptied while it idled. False if it is not within ``settle_s``."""
+    idle = getattr(lane, "idle", None)
+    for _ in range(max(1, math.ceil(settle_s / SETTLE_POLL_S))):
+        if idle is not None:
+            await idle(SETTLE_POLL_S)
+        else:
+            await asyncio.sleep(SETTLE_POLL_S)
+        if await meter.held_bytes() - base <= 8 * MiB:
+            return True
+    return False
+
+
 async def _send_sampling(
-    lane: Lane, meter: Meter, probe: Probe, seq: int, bounds: Bounds
+    lane: Lane, meter: Meter, probe: Probe, seq: int, bounds: Bounds, *, warmed: bool = False
 ) -> tuple[str | None, int]:
-    """Send one probe while reading the GPU source; (error, highest held bytes read meanwhile)."""
+    """Send one probe while reading the GPU source; (error, highest held bytes read meanwhile).
+    ``warmed``: its cached prefix was already sent (``_ProbeLoop._last_chunk``)."""
     peak = 0
 
     async def sample() -> None:
@@ -563,7 +676,8 @@ async def _send_sampling(
 
     sampler = asyncio.create_task(sample())
     try:
-        error = await asyncio.wait_for(lane.send(probe, seq), bounds.probe_timeout_s)
+        sent = lane.send(probe, seq, warmed=True) if warmed else lane.send(probe, seq)  # type: ignore[call-arg]
+        error = await asyncio.wait_for(sent, bounds.probe_timeout_s)
     except TimeoutError:
         error = f"no answer within {bounds.probe_timeout_s:g} s"
     finally:
@@ -724,7 +838,7 @@ def fit(run: ProbeRun, *, safety: float = 0.05, min_usable: int = MIN_USABLE) ->
     residuals = tuple(Residual(o.probe, o.after, coef.probe_peak(o.probe, chunk), not o.exact) for o in ok)
     largest = max(o.probe.prompt_tokens for o in usable)
     env = _envelope(residuals, coef, chunk, run.idle_free_bytes, largest, safety)
-    notes = [gather_note, *join_notes, *env.notes]
+    notes = [*run.notes, gather_note, *join_notes, *env.notes]
     if run.skipped:
         notes.append(f"{len(run.skipped)} probe(s) skipped (headroom or budget): see the plan")
     return Fit(
