@@ -245,6 +245,7 @@ class Emulator:
         tick_s: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
         empty_cache_interval_s: float = 0.0,
+        idle_poll_s: float | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be positive")
@@ -270,6 +271,7 @@ class Emulator:
         # SGLang's idle sleeper with SGLANG_EMPTY_CACHE_INTERVAL (wall seconds, as there): while idle,
         # the allocator cache is emptied at most this often (0: never, SGLang's default).
         self.empty_cache_interval_s = empty_cache_interval_s
+        self.idle_poll_s = IDLE_POLL_S if idle_poll_s is None else idle_poll_s
         self._last_empty = clock()
         self._idle_since: float | None = None
         # The radix cache over token ids: (length, hash of the ids, the model's prefix key).
@@ -331,6 +333,7 @@ class Emulator:
             cached_tokens_hint=req.cached_tokens,
             priority=req.priority,
         )
+        self._idle_since = None  # a request wakes the idle scheduler's poll
         self._kick.set()
 
     def abort(self, rid: str) -> None:
@@ -386,7 +389,7 @@ class Emulator:
             return
         if self._idle_since is None:
             self._idle_since = wall
-        polled = wall - self._idle_since >= IDLE_POLL_S
+        polled = wall - self._idle_since >= self.idle_poll_s
         if polled and wall - self._last_empty > self.empty_cache_interval_s:
             self.model.empty_allocator_cache(now)
             self._last_empty = wall
@@ -585,6 +588,7 @@ def build_emulator_app(
     down_mode: str = "refuse",
     tick_s: float = 0.02,
     empty_cache_interval_s: float = 0.0,
+    idle_poll_s: float | None = None,
 ) -> Starlette:
     """The emulator as an ASGI app; ``app.state.emulator`` is its :class:`Emulator`."""
     emu = Emulator(
@@ -594,6 +598,7 @@ def build_emulator_app(
         down_mode=down_mode,
         tick_s=tick_s,
         empty_cache_interval_s=empty_cache_interval_s,
+        idle_poll_s=idle_poll_s,
     )
     profile = model.profile
 
