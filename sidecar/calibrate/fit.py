@@ -516,9 +516,10 @@ class _ProbeLoop:
         self.idle_empty = False
         self.run.notes.append(
             f"the engine did not empty its allocator cache within {self.bounds.settle_s:g} s of idling: "
-            "multi-chunk probes read the allocator's high-water mark over all their chunks (an upper "
-            "bound; with PyTorch's default allocator it adds up chunk after chunk). Run SGLang with "
-            "--sleep-on-idle and SGLANG_EMPTY_CACHE_INTERVAL=1 while calibrating (docs/calibrate.md)"
+            "multi-chunk probes read the allocator's high-water mark over all their chunks: the need "
+            "with expandable_segments, an upper bound that adds up chunk after chunk with PyTorch's "
+            "default allocator (then run SGLang with --sleep-on-idle and SGLANG_EMPTY_CACHE_INTERVAL=1 "
+            "while calibrating: docs/calibrate.md)"
         )
         self.say(f"calibrate: {self.run.notes[-1]}")
         return probe, False, None
