@@ -16,8 +16,8 @@ SKIP_PARTS = {"__pycache__", "build", "out", "node_modules"}
 
 # Built from pieces so that this file does not match itself.
 OUTSIDE = [re.compile(p) for p in ("BRI" + "EF", "res" + "earch/", "sha" + "red/")]
-ROW = re.compile(r"^\|\s*(?:<a id=\"([A-Z]\d+)\"></a>)?([A-Z]\d+)\s*\|", re.M)
-ID = r"[A-Z]\d+(?:-[A-Z]?\d+)?"
+ROW = re.compile(r"^\|\s*(?:<a id=\"([A-Z]{1,2}\d+)\"></a>)?([A-Z]{1,2}\d+)\s*\|", re.M)
+ID = r"\b[A-Z]{1,2}\d+(?:-[A-Z]{0,2}\d+)?"
 CITATION = re.compile(rf"evidence(?:\.md)?(?:#|,?\s+(?:rows?\s+)?)({ID}(?:(?:\s*,\s*|\s+and\s+){ID})*)", re.I)
 
 
@@ -43,12 +43,12 @@ def row_ids() -> set[str]:
 
 
 def expand(token: str) -> list[str]:
-    """``M1-M3`` -> M1, M2, M3; ``D1-D2`` -> D1, D2; ``I5`` -> I5."""
+    """``M1-M3`` -> M1, M2, M3; ``D1-D2`` -> D1, D2; ``RC1-RC3`` -> RC1, RC2, RC3; ``I5`` -> I5."""
     if "-" not in token:
         return [token]
     first, last = token.split("-")
-    letter = first[0]
-    return [f"{letter}{n}" for n in range(int(first[1:]), int(last.lstrip(letter)) + 1)]
+    letter = first.rstrip("0123456789")
+    return [f"{letter}{n}" for n in range(int(first[len(letter) :]), int(last.lstrip(letter)) + 1)]
 
 
 def test_evidence_rows_have_stable_unique_ids() -> None:
