@@ -37,7 +37,6 @@ import os
 import re
 import resource
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,7 +164,9 @@ async def _get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
     h, _, p = host.partition(":")
     async with asyncio.timeout(timeout_s):
         reader, writer = await asyncio.open_connection(h, int(p))
-        writer.write(b"GET /%s HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" % (rest.encode(), host.encode()))
+        writer.write(
+            b"GET /%s HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" % (rest.encode(), host.encode())
+        )
         data = await reader.read()
         writer.close()
     head, _, body = data.partition(b"\r\n\r\n")
@@ -218,7 +219,9 @@ def pct(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
-def start(args: argparse.Namespace, tmp: Path, max_held: int, gpu: Path, log: Any) -> tuple[list[Any], str, str]:
+def start(
+    args: argparse.Namespace, tmp: Path, max_held: int, gpu: Path, log: Any
+) -> tuple[list[Any], str, str]:
     up_port, sc_port, ad_port = free_port(), free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     up = subprocess.Popen(
@@ -296,7 +299,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 gpu.write_text(json.dumps(FREE_HELD))
                 time.sleep(0.5)
                 m = args.arrivals
-                go, ps, out = spawn_clients(port, m, args.procs, timeout_s=max(10.0, end - time.monotonic() - 15))
+                go, ps, out = spawn_clients(
+                    port, m, args.procs, timeout_s=max(10.0, end - time.monotonic() - 15)
+                )
                 go.set()
                 # Everyone has been seen (held or answered) or the clients' own deadline passes.
                 wait_for("the arrivals to settle", lambda: held_now(admin) >= min(n, m), end - 20)
@@ -368,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", type=int, default=4, help="prefills admitted at a time (engine_queue)")
     ap.add_argument("--probes", type=int, default=200, help="sequential /healthz probes while held")
     ap.add_argument("--idle-s", type=float, default=5.0, help="seconds of each CPU measurement")
-    ap.add_argument("--max-connections", type=int, default=4096, help="the sidecar's --max-client-connections")
+    ap.add_argument(
+        "--max-connections", type=int, default=4096, help="the sidecar's --max-client-connections"
+    )
     ap.add_argument("--budget-s", type=float, default=170.0, help="the whole run stops within this")
     ap.add_argument("--quick", action="store_true", help="500 held, 2,000 arriving, 2 s CPU windows")
     ap.add_argument("--json", type=Path, help="write the figures here")

@@ -714,7 +714,7 @@ def test_the_queue_compacts_and_keeps_its_order(clock: ManualClock) -> None:
     for _ in range(100):
         submit(a, one_mib(a)).end(Outcome.CLIENT_GONE)
     a.pump()
-    assert len(a._queue.heap) <= 2 * 3 + 16
+    assert len(a._queue.items) <= 2 * 3 + 16
     answered: list[str] = []
     for h in keep:
         h._on_done = lambda h: answered.append(h.demand.request_id if h.demand else "")

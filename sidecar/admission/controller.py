@@ -18,19 +18,27 @@ path can leak.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import logging
 from asyncio import CancelledError
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from enum import StrEnum
 from itertools import count
 from typing import Protocol
 
 from sidecar.admission.clock import Clock, Timer
+from sidecar.admission.hold_queue import HoldQueue
 from sidecar.admission.lane_watch import LaneWatch
-from sidecar.core.decide import Situation, decide, join_pending, join_settles, retry_after_s
+from sidecar.core.decide import (
+    Situation,
+    behind_inputs,
+    decide,
+    holds_behind,
+    join_pending,
+    join_settles,
+    retry_after_s,
+)
 from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand, reprice
 from sidecar.core.ledger import Ledger, LedgerTotals
@@ -207,34 +215,6 @@ class Handle:
         return self.sort_key < other.sort_key
 
 
-@dataclass(slots=True)
-class _Queue:
-    """Priority then arrival, kept sorted as handles arrive (a newcomer of its priority lands at the
-    end of it: a bisection and an append), so a pump walks it in order without sorting it again.
-    Removal is lazy (a handle that left is no longer ``held``): O(1)."""
-
-    heap: list[Handle] = field(default_factory=list)
-    live: int = 0
-    # Uncached prompt tokens of the held requests (the work they add ahead of a newcomer: Retry-After).
-    tokens: int = 0
-
-    def push(self, h: Handle) -> None:
-        assert h.demand is not None  # submitted: only a submitted handle is ever held
-        bisect.insort(self.heap, h)
-        self.live += 1
-        self.tokens += h.demand.uncached_tokens
-
-    def ordered(self) -> list[Handle]:
-        if len(self.heap) > 2 * self.live + 16:
-            self.heap = [h for h in self.heap if h.held]
-        return [h for h in self.heap if h.held]
-
-    def head(self) -> Handle | None:
-        while self.heap and not self.heap[0].held:
-            del self.heap[0]
-        return self.heap[0] if self.heap else None
-
-
 class Admission:
     def __init__(
         self,
@@ -257,7 +237,10 @@ class Admission:
         # The lane's delivered prefill rate, from the ledger's own releases: what Retry-After divides by.
         self.prefill_rate = PrefillRate()
         self.draining = False
-        self._queue = _Queue()
+        self._queue: HoldQueue[Handle] = HoldQueue()
+        # ``behind_inputs`` when every held request was last decided: while they and the rules'
+        # ``holds_behind`` stand, a pump decides only up to the first held request (and the timed out).
+        self._behind_at: tuple[object, ...] | None = None
         self._seq = count()
         # Deadlines of held handles, earliest first, behind one timer at the earliest (not a timer per
         # waiter). Entries of handles that left, or were priced again, are dropped when they surface.
@@ -302,8 +285,8 @@ class Admission:
         return (head.decision.reason.value if head.decision.reason else None), head.demand.projected_bytes
 
     def oldest_wait_s(self) -> float | None:
-        now = self.clock.now()
-        return max((now - h.demand.arrived_at for h in self._queue.heap if h.held and h.demand), default=None)
+        oldest = self._queue.oldest_arrival()
+        return None if oldest is None else self.clock.now() - oldest
 
     def situation(
         self, *, queued: bool = False, ahead: Reason | None = None, own_tokens: int = 0
@@ -430,11 +413,12 @@ class Admission:
         """The rules in force changed (a policy, a measured idle figure, a raised margin): held
         requests are priced again under them."""
         self.rules = rules_in_force(self.loaded.policy, self.watch.learned)
-        for h in self._queue.heap:
-            if h.held and h.demand is not None:
+        held = self._queue.all_live()
+        for h in held:
+            if h.demand is not None:
                 h.demand = reprice(self.rules, h.demand)
                 self._arm(h)
-        self._queue.tokens = sum(h.demand.uncached_tokens for h in self._queue.heap if h.held and h.demand)
+        self._queue.tokens = sum(h.demand.uncached_tokens for h in held if h.demand)
 
     def drain(self) -> None:
         """Stop admitting: new requests and everything held get 503 ``draining``."""
@@ -480,33 +464,62 @@ class Admission:
         else:
             self.observer.decision(d, demand, h.waited_s, self.ledger.totals)
             h.decision, h._held, h._on_done = d, True, on_done
-            self._queue.push(h)
+            if not self._queue.live:
+                self._behind_at = behind_inputs(self.situation())  # the one held was decided under it
+            self._queue.push(h, demand.arrived_at)
+            self._queue.tokens += demand.uncached_tokens
             self._arm(h)
             self._want_report()
         return d.action
 
     def _pump_once(self) -> None:
+        """One pass in queue order. Under ``holds_behind`` rules, once a request is held, those behind it
+        stay held (strict order) unless their deadline came or ``behind_inputs`` changed since they
+        were all last decided: the pass stops there and decides only the timed out (O(1) per event
+        for a queue of thousands, not O(held)). Otherwise every held request is decided."""
         if not self._queue.live:
             return
         ahead: Reason | None = None
-        for h in self._queue.ordered():
-            if not h.held:
-                continue  # left during this pass (a callback ended it)
-            assert h.demand is not None
-            d = decide(
-                h.demand, self.situation(queued=True, ahead=ahead, own_tokens=h.demand.uncached_tokens)
-            )
-            h.decision = d
-            if d.action is Action.HOLD:
-                ahead = ahead or d.reason
-                continue
-            self._leave_queue(h)
-            if d.action is Action.ADMIT:
-                self._admit(h, d)
-            else:
-                self._reject(h, d)
-            if h._on_done is not None:
-                h._on_done(h)
+        queue = self._queue
+        version = queue.version
+        key = behind_inputs(self.situation())
+        whole = not holds_behind(self.rules) or key != self._behind_at
+        for h in queue.walk():
+            if ahead is not None and not whole:
+                break
+            self._redecide(h, ahead)
+            if h.held and ahead is None and h.decision is not None:
+                ahead = h.decision.reason
+        if queue.version != version:
+            self._repump = True  # a push moved the queue under the walk: walk again from the head
+        elif whole:
+            self._behind_at = key
+        else:
+            self._expire(ahead)
+
+    def _redecide(self, h: Handle, ahead: Reason | None) -> None:
+        """Decide one held request again, told the reason of the first one held ahead of it."""
+        assert h.demand is not None
+        d = decide(h.demand, self.situation(queued=True, ahead=ahead, own_tokens=h.demand.uncached_tokens))
+        h.decision = d
+        if d.action is Action.HOLD:
+            return
+        self._leave_queue(h)
+        if d.action is Action.ADMIT:
+            self._admit(h, d)
+        else:
+            self._reject(h, d)
+        if h._on_done is not None:
+            h._on_done(h)
+
+    def _expire(self, ahead: Reason | None) -> None:
+        """The held requests behind the first held one whose deadline has come: decided (refused
+        ``hold_timeout``), earliest deadline first, from the deadline heap, not by walking the queue."""
+        dl, now = self._deadlines, self.clock.now()
+        while dl and dl[0][0] <= now:
+            entry = heapq.heappop(dl)
+            if _due_entry(entry):
+                self._redecide(entry[2], ahead)
 
     def _arm(self, h: Handle) -> None:
         """The handle's deadline, on the clock that measures it (the decision times it out)."""

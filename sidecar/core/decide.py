@@ -407,3 +407,27 @@ def retry_after_s(s: Situation, reason: Reason | None, own_tokens: int = 0) -> i
         # Nothing to measure while blind: one staleness period is the soonest signals can recover.
         estimate = max(estimate, s.rules.engine.max_age_s)
     return int(min(h.retry_after_max_s, max(h.retry_after_min_s, math.ceil(estimate))))
+
+
+def holds_behind(rules: Rules) -> bool:
+    """Whether a request held behind another held one stays held, under these rules, whatever the
+    ledger and the signals do, until its deadline or a change of :func:`behind_inputs`: strict order
+    (no backfill) and every constraint holding on exceed. Then the admission controller re-decides the
+    queue only up to its first held request at each event (and those whose deadline came), not all of
+    it; a policy that backfills or rejects on exceed has every held request decided at every event."""
+    return not rules.hold.backfill and all(c.on_exceed(rules) is ExceedAction.HOLD for c in CONSTRAINTS)
+
+
+def behind_inputs(s: Situation) -> tuple[object, ...]:
+    """What can turn a request held behind another (``holds_behind``) into a rejection before its
+    deadline, besides its own demand: draining, the rules (a reload, what the lane watch learnt), and
+    what ``_unfit`` reads of the engine's report and the shell (its lane's shape, ``verifies_hits``).
+    Blindness needs no place here: it is the same for every request, so the first held one is refused
+    for it too and the walk goes on. A new unfit rule that reads something else must add it here."""
+    e = s.snapshot.engine
+    shape = (
+        None
+        if e is None
+        else (e.context_len, e.max_total_tokens, e.mamba_total_slots, e.max_running_requests)
+    )
+    return (s.draining, s.rules, shape, s.verifies_hits)
