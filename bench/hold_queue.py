@@ -36,6 +36,7 @@ import multiprocessing as mp
 import os
 import re
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -183,6 +184,30 @@ def held_now(admin: str) -> int:
     return int(float(m.group(1))) if m else -1
 
 
+def seen_now(admin: str) -> int:
+    """Gated requests held now plus those that ended (``requests_total``, every outcome)."""
+    _, body = get(admin + "/metrics", 10.0)
+    ended = sum(float(v) for v in re.findall(rb"^\w*requests_total\{[^}]*\} (\S+)$", body, re.M))
+    return held_now(admin) + int(ended)
+
+
+def settle(admin: str, target: int, deadline: float) -> None:
+    """Until ``target`` gated requests have been seen, or nothing new for 3 s after the first, or the
+    deadline."""
+    first = seen_now(admin)
+    last, still_since = first, time.monotonic()
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, TimeoutError, ValueError):
+            seen = seen_now(admin)
+            if seen >= target:
+                return
+            if seen != last:
+                last, still_since = seen, time.monotonic()
+            elif seen > first and time.monotonic() - still_since > 3:
+                return
+        time.sleep(0.2)
+
+
 def wait_for(what: str, cond: Any, deadline: float) -> bool:
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, TimeoutError, ValueError):
@@ -229,7 +254,7 @@ def start(
          "--log-level", "warning", "--backlog", "8192"],
         cwd=ROOT, env=env, stdout=log, stderr=log,
     )  # fmt: skip
-    policy = tmp / f"policy-{max_held}.yaml"
+    policy = tmp / "policy.yaml"
     policy.write_text(POLICY.format(in_flight=args.in_flight, max_held=max_held))
     sc = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
@@ -274,7 +299,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gpu.write_text(json.dumps(FREE_HELD))
             time.sleep(0.5)  # the poller reads it (0.1 s interval)
             n = args.held
-            go, ps, out = spawn_clients(port, n, args.procs, timeout_s=max(10.0, end - time.monotonic()))
+            # Half the budget for holding and releasing; the rest for the arrivals.
+            half = time.monotonic() + (end - time.monotonic()) / 2
+            go, ps, out = spawn_clients(port, n, args.procs, timeout_s=max(10.0, half - time.monotonic()))
             t_go = time.monotonic()
             go.set()
             held_ok = wait_for("N held", lambda: held_now(admin) >= n, min(end, time.monotonic() + 60))
@@ -285,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["held_cpu_ms_per_s"] = cpu_rate(pid, args.idle_s)
             t_release = time.monotonic()
             gpu.write_text(json.dumps(FREE_OPEN))
-            got = collect(ps, out, end - 20)
+            got = collect(ps, out, half + 5)
             ok = [at for status, at in got if status == 200]
             span = (max(ok) - t_release) if ok else None
             res["released"] = len(ok)
@@ -299,13 +326,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 gpu.write_text(json.dumps(FREE_HELD))
                 time.sleep(0.5)
                 m = args.arrivals
+                if args.arrivals_max_held != n:  # the policy reloaded with the arrivals' bound (SIGHUP)
+                    policy = tmp / "policy.yaml"
+                    policy.write_text(
+                        POLICY.format(in_flight=args.in_flight, max_held=args.arrivals_max_held)
+                    )
+                    procs[0].send_signal(signal.SIGHUP)
+                    time.sleep(1.0)
+                before = seen_now(admin)
                 go, ps, out = spawn_clients(
                     port, m, args.procs, timeout_s=max(10.0, end - time.monotonic() - 15)
                 )
+                t_go = time.monotonic()
                 go.set()
-                # Everyone has been seen (held or answered) or the clients' own deadline passes.
-                wait_for("the arrivals to settle", lambda: held_now(admin) >= min(n, m), end - 20)
-                time.sleep(1.0)
+                # Every arrival held or answered (or nothing new for 3 s), then release the held.
+                settle(admin, before + m, end - 20)
+                res["arrivals_settle_s"] = time.monotonic() - t_go
                 res["arrivals_held_peak"] = held_now(admin)
                 gpu.write_text(json.dumps(FREE_OPEN))
                 got = collect(ps, out, end - 5)
@@ -344,7 +380,7 @@ def table(res: dict[str, Any]) -> str:
         (f"/healthz p50 while {res.get('held_reached', 0):,} held, ms", fmt(res.get("healthz_p50_ms"), 2), "-", None),
         (f"/healthz p99 while {res.get('held_reached', 0):,} held, ms", fmt(res.get("healthz_p99_ms"), 2), "<= 50",
          (res.get("healthz_p99_ms") or 1e9) <= 50),
-        (f"clients answered of {m:,} arriving (max_held {n:,})",
+        (f"clients answered of {m:,} arriving (max_held {a['arrivals_max_held']:,})",
          f"{fmt(res.get('arrivals_answered'))} {res.get('arrivals_statuses', '')}", f"{m:,}",
          res.get("arrivals_answered") == m),
         ("sidecar idle CPU, ms per s", fmt(res.get("idle_cpu_ms_per_s")), "<= 10", (res.get("idle_cpu_ms_per_s") or 1e9) <= 10),
@@ -356,7 +392,8 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"{name:<{w}}  {now:>28}  {goal:>8}  {'' if met is None else 'yes' if met else 'NO'}")
     lines.append(
         f"release: {res.get('released')} answered 200 in {fmt(res.get('release_s'), 2)} s {res.get('release_statuses')}; "
-        f"hold filled in {fmt(res.get('hold_fill_s'), 2)} s"
+        f"hold filled in {fmt(res.get('hold_fill_s'), 2)} s; {res.get('arrivals', 0):,} arrivals seen in "
+        f"{fmt(res.get('arrivals_settle_s'), 2)} s, {res.get('arrivals_held_peak')} held then"
     )
     lines.append(
         "OS limits: nofile {nofile} (was {nofile_soft_was}), somaxconn {somaxconn}, tcp_max_syn_backlog "
@@ -369,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--held", type=int, default=2000, help="clients held, then released (and hold.max_held)")
     ap.add_argument("--arrivals", type=int, default=10_000, help="clients arriving at once in phase 4")
+    ap.add_argument(
+        "--arrivals-max-held",
+        type=int,
+        help="hold.max_held for the arrivals (default: all of them may be held; the connection cap binds)",
+    )
     ap.add_argument("--procs", type=int, default=4, help="client processes")
     ap.add_argument("--in-flight", type=int, default=4, help="prefills admitted at a time (engine_queue)")
     ap.add_argument("--probes", type=int, default=200, help="sequential /healthz probes while held")
@@ -382,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.held, args.arrivals, args.idle_s, args.probes = 500, 2000, 2.0, 100
+    if args.arrivals_max_held is None:
+        args.arrivals_max_held = args.arrivals
     res = run(args)
     print(table(res))
     if args.json:
