@@ -493,6 +493,13 @@ def test_the_connection_cap_fits_the_descriptor_limit() -> None:
     assert fit_to_descriptors(limits, admin=True).max_client_connections == 64
 
 
+def test_a_burst_beyond_the_cap_is_answered_while_descriptors_are_spare() -> None:
+    """Turned away (503) while the cap leaves descriptors spare; only beyond them closed unanswered."""
+    limits = ServingLimits(max_client_connections=2048)
+    assert fit_to_descriptors(limits, soft=8192).turn_away_max == 8192 - 128 - 2 * 2048
+    assert fit_to_descriptors(limits, soft=256).turn_away_max == limits.turn_away_max == 16
+
+
 SILENT_CLIENTS = textwrap.dedent(
     """
     import asyncio, json, os, resource, sys

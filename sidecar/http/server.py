@@ -47,6 +47,11 @@ class ServingLimits:
     # Connections (and in-flight requests) before new ones get 503; keep it below the fd limit.
     max_client_connections: int = 2048
     keep_alive_s: int = 5
+    # Connections beyond the cap answered 503 at once (each holds its descriptor for TURN_AWAY_S); more
+    # than this many beyond it are closed without an answer. ``fit_to_descriptors`` raises it to the
+    # descriptors the cap leaves spare, so a burst of arrivals is answered, not reset; this default is
+    # the least whatever the limit (a burst beyond it cannot eat FD_RESERVE).
+    turn_away_max: int = 16
 
 
 log = logging.getLogger("sidecar.http.server")
@@ -55,9 +60,6 @@ log = logging.getLogger("sidecar.http.server")
 # pipeline, a tokenizer load, the engine's /metrics, a policy reload. 300 idle connections under
 # `nofile=256` once left the GPU poller with `Too many open files`.
 FD_RESERVE = 64
-# Connections beyond the cap answered 503 at once (each holds its descriptor for TURN_AWAY_S); more than
-# this many beyond it are closed without an answer, so a burst cannot eat FD_RESERVE.
-TURN_AWAY_MAX = 16
 # The admin port serves Prometheus and operators: a few connections, never the data port's thousands.
 ADMIN_MAX_CONNECTIONS = 64
 
@@ -65,11 +67,16 @@ ADMIN_MAX_CONNECTIONS = 64
 def fit_to_descriptors(
     limits: ServingLimits, *, admin: bool = False, soft: int | None = None
 ) -> ServingLimits:
-    """``limits`` with ``max_client_connections`` lowered to what the process's descriptor limit holds.
+    """``limits`` with ``max_client_connections`` lowered to what the process's descriptor limit holds,
+    and ``turn_away_max`` raised to the descriptors it leaves spare.
 
     A data-port connection may hold an upstream connection to the engine as well, so each counts
     twice; the admin port's connections and ``FD_RESERVE`` are set aside first. With the deploy files'
     ``LimitNOFILE=8192`` the default 2,048 fits; under a smaller limit the cap is lowered and logged.
+    A connection turned away (503) holds one descriptor for ``TURN_AWAY_S`` and never an upstream one:
+    what the cap leaves of the limit answers a burst beyond it (10,000 clients arriving at a cap of
+    4,096 under ``nofile`` 20,000: every one answered, issue #27), and only beyond that is a connection
+    closed unanswered.
     """
     if admin:
         return replace(
@@ -78,10 +85,12 @@ def fit_to_descriptors(
     if soft is None:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
-        return limits
-    fit = max(1, (soft - FD_RESERVE - ADMIN_MAX_CONNECTIONS) // 2)
+        return replace(limits, turn_away_max=max(limits.turn_away_max, limits.max_client_connections))
+    usable = soft - FD_RESERVE - ADMIN_MAX_CONNECTIONS
+    fit = max(1, usable // 2)
     if fit >= limits.max_client_connections:
-        return limits
+        spare = usable - 2 * limits.max_client_connections
+        return replace(limits, turn_away_max=max(limits.turn_away_max, spare))
     log.warning(
         "max_client_connections lowered from %d to %d: the descriptor limit (nofile) is %d; raise it "
         "(LimitNOFILE, ulimit -n) to %d for the configured figure",
@@ -128,7 +137,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._overflow: str | None = None
         self._arm_header_deadline()
         over = len(self.connections) - self.limits.max_client_connections
-        if over > TURN_AWAY_MAX:
+        if over > self.limits.turn_away_max:
             # A burst: each 503 would hold its descriptor for TURN_AWAY_S and eat the reserve.
             self._cancel_timers()
             transport.abort()
@@ -145,7 +154,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         body = b"connection limit reached (--max-client-connections)"
         self.transport.write(
             b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            b"retry-after: 1\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
         )
         if self.transport.can_write_eof():
             self.transport.write_eof()
@@ -338,6 +347,9 @@ def uvicorn_options(
     options: dict[str, Any] = {
         "http": guarded_protocol(limits),
         "limit_concurrency": limits.max_client_connections,
+        # The kernel's queue of connections not yet accepted (capped by net.core.somaxconn): as deep as
+        # the cap, so a burst of that many waits to be accepted instead of retrying its SYN for seconds.
+        "backlog": max(2048, limits.max_client_connections),
         "timeout_keep_alive": limits.keep_alive_s,
         "proxy_headers": forwarded_allow_ips is not None,
     }
