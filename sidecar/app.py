@@ -43,7 +43,14 @@ from sidecar.policy.engine_routes import RouteTable, control_route, normalize_pa
 from sidecar.policy.schema import LoadedPolicy, PolicyError
 from sidecar.policy.source import PolicySource
 from sidecar.settings import EXIT_NOT_STARTED
-from sidecar.signals.engine import EngineScraper, Sooner, make_control_client
+from sidecar.signals.engine import (
+    IDLE_ENGINE_POLL_S,
+    IDLE_GPU_POLL_S,
+    EngineScraper,
+    Sooner,
+    idle_poll_interval,
+    make_control_client,
+)
 from sidecar.signals.gpu import GpuPoller, GpuSource
 
 log = logging.getLogger("sidecar")
@@ -271,8 +278,12 @@ class SidecarApp:
         # While a request is held after an admitted one ended, both are read sooner than their intervals
         # (policy engine.poll_after_release_s; Admission.report_wanted, signals.engine.Sooner).
         self.scraper.sooner = self._sooner()
+        # While the gate is idle the signals are read less often; a request's arrival wakes the pollers.
+        self.scraper.idle = self.admission.quiet
         if self.gpu_poller is not None:
-            self.gpu_poller.sooner = self._sooner()
+            self.gpu_poller.idle = self.admission.quiet
+        self._idle_intervals()
+        self.admission.on_busy = self._report_wanted
         self.admission.on_report_wanted = self._report_wanted
         self._tasks.append(asyncio.create_task(self.scraper.run(self._on_engine), name="engine-scraper"))
         if self.gpu_poller is not None:
@@ -348,6 +359,19 @@ class SidecarApp:
     def _sooner(self) -> Sooner:
         a = self.admission
         return Sooner(a.report_wanted, lambda: a.rules.engine.poll_after_release_s)
+
+    def _idle_intervals(self) -> None:
+        rules = self.admission.rules
+        if self.scraper is not None:
+            e = rules.engine
+            self.scraper.idle_interval_s = idle_poll_interval(
+                e.poll_interval_s, e.max_age_s, IDLE_ENGINE_POLL_S
+            )
+        if self.gpu_poller is not None:
+            g = rules.gpu
+            self.gpu_poller.idle_interval_s = idle_poll_interval(
+                g.poll_interval_s, g.max_age_s, IDLE_GPU_POLL_S
+            )
 
     def _report_wanted(self) -> None:
         for poller in (self.scraper, self.gpu_poller):
@@ -476,6 +500,7 @@ class SidecarApp:
             self.scraper.max_metrics_bytes = loaded.policy.engine.max_metrics_bytes
         if self.gpu_poller is not None:
             self.gpu_poller.interval_s = self.admission.rules.gpu.poll_interval_s
+        self._idle_intervals()
 
 
 # explain and policy uploads are small: a generation body to explain is a question, not a prompt to

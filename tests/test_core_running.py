@@ -244,6 +244,6 @@ def test_the_hold_queue_compacts_exactly_past_twice_the_held_plus_16(clock: Manu
     keep = [submit(a, demand.build(a.rules, 10, arrived_at=clock())) for _ in range(3)]
     for _ in range(19):
         submit(a, demand.build(a.rules, 10, arrived_at=clock())).end(Outcome.CLIENT_GONE)
-    assert len(a._queue.heap) == 22  # 2 x 3 + 16: not yet
+    assert len(a._queue.items) == 22  # 2 x 3 + 16: not yet
     submit(a, demand.build(a.rules, 10, arrived_at=clock())).end(Outcome.CLIENT_GONE)
-    assert a._queue.heap == sorted(keep) and all(h.held for h in keep)
+    assert a._queue.items == sorted(keep) and all(h.held for h in keep)

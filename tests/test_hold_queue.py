@@ -64,11 +64,12 @@ def test_the_head_drops_the_gone_and_the_oldest_arrival_follows_the_live() -> No
     q, items = queue_of((0, 0), (0, 1), (0, 2))
     assert q.oldest_arrival() == 0.0
     items[0].held = items[1].held = False
-    q.live -= 2
+    q.left()
+    q.left()
     assert q.head() is items[2] and q.items == [items[2]]
     assert q.oldest_arrival() == 2.0
     items[2].held = False
-    q.live -= 1
+    q.left()
     assert q.head() is None and q.oldest_arrival() is None
 
 
@@ -80,7 +81,7 @@ def test_the_queue_and_its_arrivals_compact() -> None:
         it = Item((0, i))
         q.push(it, float(i))
         it.held = False
-        q.live -= 1
+        q.left()
     assert len(q.items) <= 2 * q.live + 16 and len(q._arrivals) <= 2 * q.live + 16
     assert list(q.walk()) == [keep] and q.oldest_arrival() == 0.0
 

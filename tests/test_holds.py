@@ -67,7 +67,7 @@ async def test_a_request_held_on_the_kv_pool_goes_in_when_the_running_one_ends_n
         await eventually(lambda: (app.admission.snapshot.engine.kv_used_tokens or 0) >= 40_000)
         waiting = asyncio.ensure_future(complete(40_000, 16, stream=False))
         await eventually(lambda: app.admission.held == 1)
-        held = next(h for h in app.admission._queue.heap if h.held)
+        held = next(h for h in app.admission._queue.walk())
         assert held.decision is not None and held.decision.reason is Reason.KV_POOL
         # From now on the periodic poll comes only every 10 minutes: past the deadline below.
         app.scraper.interval_s = 600  # type: ignore[union-attr]

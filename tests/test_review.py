@@ -497,7 +497,7 @@ def test_hold_queue_heap_stays_bounded_under_churn(clock: ManualClock) -> None:
         assert w.held
         w.end(Outcome.CLIENT_GONE)
     assert a.held == 5 and all(w.held for w in keep)
-    assert len(a._queue.heap) <= 2 * a.held + 17
+    assert len(a._queue.items) <= 2 * a.held + 17
 
 
 def test_no_await_between_decision_and_charge(clock: ManualClock) -> None:

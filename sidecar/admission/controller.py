@@ -265,6 +265,13 @@ class Admission:
         # wait until this instant, and until no admitted prefill is ahead of the join.
         self._join_at: float | None = None
         self._join_timer: Timer | None = None
+        # Gated requests opened (a count, no clock read on the request path), what ``quiet`` saw last
+        # and when it last saw activity, whether it said quiet, and what the shell calls when that ends.
+        self._opened = 0
+        self._opened_seen = 0
+        self._active_at = clock.now()
+        self._quiet = False
+        self.on_busy: Callable[[], None] = lambda: None
 
     @property
     def policy(self):
@@ -316,7 +323,25 @@ class Admission:
 
     def open(self) -> Handle:
         """A gated request has arrived: its handle, before anything else can go wrong with it."""
+        self._opened += 1
+        if self._quiet:
+            self._busy()
         return Handle(self)
+
+    def quiet(self) -> bool:
+        """Nothing admitted, nothing held, and no gated request opened for one engine poll interval:
+        the pollers may read less often (``signals.engine.idle_poll_interval``). They ask before each
+        wait (a request's intake only counts itself, no clock read on the request path). The next
+        intake or admission ends it at once (``on_busy``: the shell wakes the pollers)."""
+        now = self.clock.now()
+        if self._opened != self._opened_seen or len(self.ledger) or self._queue.live:
+            self._opened_seen, self._active_at = self._opened, now
+        self._quiet = now - self._active_at >= self.rules.engine.poll_interval_s
+        return self._quiet
+
+    def _busy(self) -> None:
+        self._quiet = False
+        self.on_busy()
 
     def evaluate(self, demand: Demand) -> Decision:
         """What would happen to this request now, charging nothing (``/admission/explain``)."""
@@ -551,7 +576,7 @@ class Admission:
     def _leave_queue(self, h: Handle) -> None:
         assert h.demand is not None
         h._held = False
-        self._queue.live -= 1
+        self._queue.left()
         self._queue.tokens -= h.demand.uncached_tokens
         if h.demand.deadline == self._timer_at:
             self._schedule()  # it was the one timed: time the next (or none)
@@ -576,6 +601,8 @@ class Admission:
         h.decision, h.waited_s = d, self._waited(h)
         if not len(self.ledger):
             self.prefill_rate.busy(self.clock.now())
+            if self._quiet:
+                self._busy()
         if not self._prefilling:
             self.progress.started()
         h._key = self.ledger.charge(d.charge)

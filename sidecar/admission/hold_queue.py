@@ -9,8 +9,8 @@ every held request (issue #27: 2,000 held cost ~9 admissions/s when each event w
 * ``head``: the first live entry, dropping the dead prefix in one slice;
 * ``oldest_arrival``: the earliest arrival among the live entries (a heap, its dead tops dropped).
 
-Removal is lazy: an entry that left is one whose ``held`` is False, found dead when it surfaces; the list
-is compacted when the dead outnumber the live.
+Removal is lazy: an entry that left is one whose ``held`` is False (the controller then calls ``left``),
+found dead when it surfaces; the lists are compacted past 2 x live + 16 entries (a memory bound).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ E = TypeVar("E", bound=Entry)
 
 @dataclass(slots=True)
 class HoldQueue(Generic[E]):
-    """Priority then arrival; see the module docstring. ``live`` and ``tokens`` are the controller's to
-    keep (it knows when an entry leaves and what it weighs)."""
+    """Priority then arrival; see the module docstring. ``tokens`` is the controller's to keep (it
+    knows what an entry weighs)."""
 
     items: list[E] = field(default_factory=list)
     live: int = 0
@@ -58,9 +58,15 @@ class HoldQueue(Generic[E]):
         heapq.heappush(self._arrivals, (arrived_at, e.sort_key[1], e))
         self.live += 1
         self.version += 1
-        if len(items) > 2 * self.live + 16:
-            self.items = [x for x in items if x.held]
-        if len(self._arrivals) > 2 * self.live + 16:
+
+    def left(self) -> None:
+        """An entry stopped being held (its ``held`` is False now): counted, and the lists compacted
+        once the entries that left outnumber the live ones (more than 2 x live + 16 in all)."""
+        self.live -= 1
+        bound = 2 * self.live + 16
+        if len(self.items) > bound:
+            self.items = [x for x in self.items if x.held]
+        if len(self._arrivals) > bound:
             self._arrivals = [a for a in self._arrivals if a[2].held]
             heapq.heapify(self._arrivals)
 

@@ -480,6 +480,22 @@ class Pacing:
             self.last_sooner = t
 
 
+# How often the pollers read while the gate is idle (``idle_poll_interval``), at most. A scrape of
+# SGLang's /metrics costs the sidecar ~6 ms of CPU (a 50 KB exposition parsed: ~12 ms per second at a
+# 0.5 s interval) and a GPU reading with its snapshot ~0.5 ms (~5 ms per second at 0.1 s), to learn
+# nothing while nothing of the gate's runs (bench/hold_queue.py, issue #27). The GPU's is shorter:
+# between requests it is what sees a neighbour's growth.
+IDLE_ENGINE_POLL_S = 5.0
+IDLE_GPU_POLL_S = 0.5
+
+
+def idle_poll_interval(interval_s: float, max_age_s: float, ceiling_s: float) -> float:
+    """How often to read a signal while the gate is idle: ``ceiling_s``, but within half the signal's
+    ``max_age_s`` (a reading never goes stale meanwhile: the first request after an idle spell is
+    decided on one no older than the policy allows) and never faster than ``interval_s``."""
+    return max(interval_s, min(ceiling_s, max_age_s / 2))
+
+
 class Sooner:
     """A poller's reads sooner than its interval, while the gate wants them.
 
@@ -649,6 +665,10 @@ class EngineScraper:
         self.on_engine_changed: Callable[[str], None] = lambda why: None
         # Reads sooner than ``interval_s`` while the gate wants them (the app wires it to the gate).
         self.sooner: Sooner | None = None
+        # While ``idle()`` (nothing admitted or held, nothing arriving: the app asks the gate), reads
+        # every ``idle_interval_s`` instead (``idle_poll_interval``); a nudge on ``sooner`` ends the wait.
+        self.idle: Callable[[], bool] = lambda: False
+        self.idle_interval_s: float | None = None
 
     async def aclose(self) -> None:
         """Close the HTTP client if this scraper created it (an injected one belongs to the caller)."""
@@ -841,12 +861,17 @@ class EngineScraper:
             **merged,  # type: ignore[arg-type]
         )
 
+    def current_interval_s(self) -> float:
+        """``interval_s``, or ``idle_interval_s`` while the gate is idle (read before every wait)."""
+        idle = self.idle_interval_s
+        return idle if idle is not None and self.idle() else self.interval_s
+
     async def run(self, on_update: Callable[[EngineSignals | None, SourceHealth], None]) -> NoReturn:
-        """Poll forever at ``interval_s``; report every attempt. Stop it by cancelling the task."""
+        """Poll forever at ``current_interval_s``; report every attempt. Stop it by cancelling the task."""
         await poll_forever(
             self.poll_once,
             on_update,
-            interval_s=lambda: self.interval_s,
+            interval_s=self.current_interval_s,
             clock=self._clock,
             name=f"engine {self.base_url}",
             expected=(EngineUnavailable,),

@@ -563,6 +563,13 @@ class GpuPoller:
         # Reads sooner than ``interval_s`` while the gate wants them: a request that waited is admitted
         # only on a GPU reading taken since it began waiting (``core/decide.py``).
         self.sooner: Sooner | None = None
+        # While ``idle()``, reads every ``idle_interval_s`` instead (as ``EngineScraper``'s).
+        self.idle: Callable[[], bool] = lambda: False
+        self.idle_interval_s: float | None = None
+
+    def current_interval_s(self) -> float:
+        idle = self.idle_interval_s
+        return idle if idle is not None and self.idle() else self.interval_s
 
     async def check(self) -> GpuSignals | None:
         """One read now; raises GpuSourceError with the source's explanation."""
@@ -576,7 +583,7 @@ class GpuPoller:
         await poll_forever(
             self.read,
             on_update,
-            interval_s=lambda: self.interval_s,
+            interval_s=self.current_interval_s,
             clock=self._clock,
             name=f"gpu {self.source.spec}",
             expected=(GpuSourceError,),
