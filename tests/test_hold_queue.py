@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,8 @@ from sidecar.admission.controller import Admission, Handle, Outcome
 from sidecar.admission.hold_queue import HoldQueue
 from sidecar.core import demand
 from sidecar.core.decision import Action, Reason
+from sidecar.signals.engine import EngineScraper, idle_poll_interval
+from sidecar.signals.gpu import FileSource, GpuPoller
 from tests.conftest import MIB, ManualClock, small_policy, snapshot, submit, with_engine
 from tests.test_core import Log, lane, one_mib
 
@@ -217,3 +220,64 @@ def test_the_pump_that_stops_at_the_head_decides_as_the_one_that_walks_all(
     assert head_only == whole
     assert any(act == Action.HOLD.value for _, act, _, _ in whole)
     assert any(reason == Reason.HOLD_TIMEOUT.value for _, _, reason, _ in whole)
+
+
+# -- idle: the pollers back off while nothing happens ------------------------------------------------
+
+
+def test_quiet_after_a_poll_interval_of_nothing_and_ended_by_the_next_request(clock: ManualClock) -> None:
+    a, _ = lane(clock, free_mib=1)  # engine.poll_interval_s: 0.5
+    woken: list[int] = []
+    a.on_busy = lambda: woken.append(1)
+    assert not a.quiet()
+    clock.advance(0.5)
+    assert a.quiet()
+    h = a.open()  # intake ends it at once: the pollers are woken
+    assert woken == [1] and not a.quiet()
+    h.submit(one_mib(a))
+    clock.advance(5)
+    assert h.admitted and not a.quiet(), "quiet with a request admitted"
+    h.end(Outcome.COMPLETED)
+    assert not a.quiet()
+    clock.advance(0.5)
+    assert a.quiet() and woken == [1]
+    held = submit(a, demand.build(a.rules, 5000, arrived_at=clock()))
+    clock.advance(5)
+    assert held.held and not a.quiet(), "quiet with a request held"
+
+
+def test_an_admission_ends_quiet_too(clock: ManualClock) -> None:
+    """A request opened before the pollers went quiet and admitted after: the admission wakes them."""
+    a, _ = lane(clock, free_mib=1)
+    h = a.open()
+    woken: list[int] = []
+    a.on_busy = lambda: woken.append(1)
+    a.quiet()
+    clock.advance(0.5)
+    assert a.quiet()
+    h.submit(one_mib(a))
+    assert h.admitted and woken == [1]
+
+
+@pytest.mark.parametrize(
+    ("interval", "max_age", "ceiling", "idle"),
+    [(0.5, 30, 5.0, 5.0), (0.5, 5, 5.0, 2.5), (0.1, 2, 0.5, 0.5), (1.0, 1.5, 5.0, 1.0)],
+)
+def test_the_idle_interval_stays_within_half_the_max_age_and_never_below_the_interval(
+    interval: float, max_age: float, ceiling: float, idle: float
+) -> None:
+    assert idle_poll_interval(interval, max_age, ceiling) == idle
+
+
+def test_the_pollers_read_their_idle_interval_only_while_idle() -> None:
+    idle = [False]
+    for poller in (
+        EngineScraper("http://127.0.0.1:9", interval_s=0.5),
+        GpuPoller(FileSource(Path("x")), interval_s=0.5),
+    ):
+        assert poller.current_interval_s() == 0.5  # no idle interval wired
+        poller.idle, poller.idle_interval_s = lambda: idle[0], 4.0
+        assert poller.current_interval_s() == 0.5
+        idle[0] = True
+        assert poller.current_interval_s() == 4.0
+        idle[0] = False

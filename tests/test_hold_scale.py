@@ -1,0 +1,145 @@
+"""Hundreds of clients held by a real sidecar on loopback (issue #27): every one answered, the probes
+answered while they wait, a client that leaves removed, every request's one outcome counted, the
+ledger back to zero.
+
+The upstream is ``bench/upstream.py`` (answers at once, an idle 10M-token engine on /metrics); the GPU
+source is a file whose free memory holds every gated request (0) or lets them in. The clients speak raw
+HTTP/1.1 on their own connections (``Connection: close``): a status line read is an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+import sidecar.app
+from bench.upstream import app as upstream_app
+from sidecar.admission.controller import Outcome
+from sidecar.app import SidecarApp
+from sidecar.http.server import ServingLimits, serve_app
+from sidecar.ops.telemetry import PREFIX
+from sidecar.signals.gpu import parse_gpu_source
+from tests.conftest import small_policy
+from tests.harness import eventually
+
+CLIENTS = 300
+MAX_HELD = 250
+BODY = b'{"text":"hi","sampling_params":{"max_new_tokens":1}}'
+GIB = 1 << 30
+
+
+async def ask(port: int) -> tuple[int | None, asyncio.StreamWriter]:
+    """One gated request; its status (None: no answer) once the answer is complete."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(BODY), BODY)
+        )
+        line = await reader.readline()
+        if not line.startswith(b"HTTP/1."):
+            return None, writer
+        await reader.read()
+        return int(line.split()[1]), writer
+    except asyncio.CancelledError:
+        writer.close()  # the client leaves: its connection closes
+        raise
+
+
+def outcomes(app: SidecarApp) -> dict[str, float]:
+    out = {}
+    for o in Outcome:
+        v = app.registry.get_sample_value(PREFIX + "requests_total", {"outcome": o.value})
+        if v:
+            out[o.value] = v
+    return out
+
+
+async def test_hundreds_held_are_all_answered_and_the_probes_answer_while_they_wait(tmp_path: Path) -> None:
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"free_bytes": 0, "total_bytes": 80 * GIB}))
+    policy = small_policy(
+        hold__max_held=MAX_HELD,
+        hold__max_wait_s=120,
+        engine_queue__max_requests=4,
+        gpu__poll_interval_s=0.05,
+        engine__max_age_s=60,
+        gpu__max_age_s=60,
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        up = await stack.enter_async_context(serve_app(upstream_app))
+        app = SidecarApp(upstream=up, policy=policy, gpu_source=parse_gpu_source(f"file:{gpu}"))
+        url = await stack.enter_async_context(serve_app(app, limits=ServingLimits()))
+        port = int(url.rsplit(":", 1)[1])
+        await eventually(lambda: app.admission.snapshot.engine is not None)
+
+        clients = [asyncio.ensure_future(ask(port)) for _ in range(CLIENTS)]
+        # The queue fills to its bound; those beyond it are answered at once (429 queue_full).
+        await eventually(
+            lambda: app.admission.held == MAX_HELD and sum(c.done() for c in clients) == CLIENTS - MAX_HELD
+        )
+        early = [c.result()[0] for c in clients if c.done()]
+        assert early == [429] * (CLIENTS - MAX_HELD)
+
+        async with httpx.AsyncClient(base_url=url, timeout=30) as probe:
+            for path in ("/healthz", "/readyz"):
+                r = await probe.get(path)
+                assert r.status_code == 200, (path, r.text)
+
+        # A held client leaves: its request is removed from the queue, counted client_gone.
+        leaver = next(c for c in clients if not c.done())
+        leaver.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await leaver
+        await eventually(lambda: app.admission.held == MAX_HELD - 1)
+
+        gpu.write_text(json.dumps({"free_bytes": 60 * GIB, "total_bytes": 80 * GIB}))
+        rest = [c for c in clients if c is not leaver and not c.done()]
+        answers = await asyncio.wait_for(asyncio.gather(*rest), 60)
+        assert [status for status, _ in answers] == [200] * (MAX_HELD - 1)
+        for c in clients:
+            if c is not leaver:
+                c.result()[1].close()
+
+        await eventually(lambda: app.admission.held == 0 and not len(app.admission.ledger))
+        await eventually(lambda: sum(outcomes(app).values()) == CLIENTS)
+        assert outcomes(app) == {
+            "completed": MAX_HELD - 1,
+            "rejected": CLIENTS - MAX_HELD,
+            "client_gone": 1,
+        }
+
+
+async def test_a_quiet_sidecar_reads_the_engine_again_when_a_request_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While idle the engine is read every IDLE_ENGINE_POLL_S (here ten minutes): the read that follows
+    a request's arrival is the one its intake asked for, not the idle poll's."""
+    monkeypatch.setattr(sidecar.app, "IDLE_ENGINE_POLL_S", 600.0)
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"free_bytes": 60 * GIB, "total_bytes": 80 * GIB}))
+    policy = small_policy(engine__poll_interval_s=0.05, engine__max_age_s=1200, gpu__max_age_s=60)
+    async with contextlib.AsyncExitStack() as stack:
+        up = await stack.enter_async_context(serve_app(upstream_app))
+        app = SidecarApp(upstream=up, policy=policy, gpu_source=parse_gpu_source(f"file:{gpu}"))
+        url = await stack.enter_async_context(serve_app(app, limits=ServingLimits()))
+        scraper = app.scraper
+        assert scraper is not None and scraper.idle_interval_s == 600.0
+        # What the engine poller itself was last told before it began a wait (the GPU poller asks too).
+        told: list[bool] = []
+        quiet = scraper.idle
+        scraper.idle = lambda: told.append(quiet()) or told[-1]
+        await eventually(lambda: bool(told) and told[-1])
+        # It is waiting out ten minutes now: its last read was reported before that wait began.
+        engine = app.admission.snapshot.engine
+        assert engine is not None
+        read_at = engine.observed_at
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            r = await client.post("/generate", content=BODY, headers={"content-type": "application/json"})
+        assert r.status_code == 200
+        await eventually(lambda: app.admission.snapshot.engine.observed_at > read_at)  # type: ignore[union-attr]
