@@ -127,13 +127,20 @@ async def test_a_quiet_sidecar_reads_the_engine_again_when_a_request_arrives(
     async with contextlib.AsyncExitStack() as stack:
         up = await stack.enter_async_context(serve_app(upstream_app))
         app = SidecarApp(upstream=up, policy=policy, gpu_source=parse_gpu_source(f"file:{gpu}"))
-        url = await stack.enter_async_context(serve_app(app, limits=ServingLimits()))
-        scraper = app.scraper
-        assert scraper is not None and scraper.idle_interval_s == 600.0
         # What the engine poller itself was last told before it began a wait (the GPU poller asks too).
         told: list[bool] = []
-        quiet = scraper.idle
-        scraper.idle = lambda: told.append(quiet()) or told[-1]
+        quiet = app.admission.quiet
+
+        def engine_told() -> bool:
+            said = quiet()
+            task = asyncio.current_task()
+            if task is not None and task.get_name() == "engine-scraper":
+                told.append(said)
+            return said
+
+        app.admission.quiet = engine_told  # type: ignore[method-assign]
+        url = await stack.enter_async_context(serve_app(app, limits=ServingLimits()))
+        assert app.scraper is not None and app.scraper.idle_interval_s == 600.0
         await eventually(lambda: bool(told) and told[-1])
         # It is waiting out ten minutes now: its last read was reported before that wait began.
         engine = app.admission.snapshot.engine
