@@ -132,6 +132,9 @@ def client_proc(host: str, port: int, n: int, timeout_s: float, go: Any, out: An
 
 
 def spawn_clients(port: int, n: int, procs: int, timeout_s: float) -> tuple[Any, list[Any], Any]:
+    # Each client holds a descriptor: enough processes that none needs more than its limit allows.
+    per_proc = max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64)
+    procs = max(procs, -(-n // per_proc))
     ctx = mp.get_context("fork")
     go, out = ctx.Event(), ctx.Queue()
     shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
