@@ -9,7 +9,7 @@ every event (the old pump), and asserts that every request got the same decision
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from sidecar.admission.controller import Admission, Handle, Outcome
 from sidecar.admission.hold_queue import HoldQueue
 from sidecar.core import demand
 from sidecar.core.decision import Action, Reason
+from sidecar.core.snapshot import SourceHealth
 from sidecar.signals.engine import EngineScraper, idle_poll_interval
 from sidecar.signals.gpu import FileSource, GpuPoller
 from tests.conftest import MIB, ManualClock, small_policy, snapshot, submit, with_engine
@@ -281,3 +282,17 @@ def test_the_pollers_read_their_idle_interval_only_while_idle() -> None:
         idle[0] = True
         assert poller.current_interval_s() == 4.0
         idle[0] = False
+
+
+def test_a_failing_signal_is_read_at_its_interval(clock: ManualClock) -> None:
+    """Failures are news (engine_unavailable after so many, and the recovery): no backing off."""
+    a, _ = lane(clock, free_mib=1)
+    clock.advance(0.5)
+    assert a.quiet()
+    failing = SourceHealth(last_ok_at=clock(), last_error="connection refused", consecutive_failures=1)
+    a.update_snapshot(replace(a.snapshot, engine_health=failing))
+    clock.advance(5)
+    assert not a.quiet()
+    a.update_snapshot(replace(a.snapshot, engine_health=SourceHealth(last_ok_at=clock())))
+    clock.advance(0.5)
+    assert a.quiet()

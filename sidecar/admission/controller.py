@@ -329,12 +329,16 @@ class Admission:
         return Handle(self)
 
     def quiet(self) -> bool:
-        """Nothing admitted, nothing held, and no gated request opened for one engine poll interval:
-        the pollers may read less often (``signals.engine.idle_poll_interval``). They ask before each
-        wait (a request's intake only counts itself, no clock read on the request path). The next
-        intake or admission ends it at once (``on_busy``: the shell wakes the pollers)."""
+        """Nothing admitted, nothing held, no signal failing and no gated request opened for one engine
+        poll interval: the pollers may read less often (``signals.engine.idle_poll_interval``). They
+        ask before each wait (a request's intake only counts itself, no clock read on the request
+        path). The next intake or admission ends it at once (``on_busy``: the shell wakes the pollers).
+        A failing source is read at its interval: its failures are news (``engine_unavailable`` after
+        so many, and its recovery)."""
         now = self.clock.now()
-        if self._opened != self._opened_seen or len(self.ledger) or self._queue.live:
+        snap = self.snapshot
+        failing = snap.engine_health.consecutive_failures or snap.gpu_health.consecutive_failures
+        if self._opened != self._opened_seen or len(self.ledger) or self._queue.live or failing:
             self._opened_seen, self._active_at = self._opened, now
         self._quiet = now - self._active_at >= self.rules.engine.poll_interval_s
         return self._quiet
