@@ -441,12 +441,22 @@ def scenario(name: str, index: int) -> Scenario:
     return jittered(load_scenario(ROOT / "scenarios" / f"{name}.yaml"), index)
 
 
+# Where the emulator-exact policies live, and the lane policies of the same names (issue 29, item 4).
+EMULATOR_POLICIES = ROOT / "sidecar_emulator" / "policies"
+LANE_POLICIES = ROOT / "policies"
+
+
 @cache
-def policy_for(name: str) -> LoadedPolicy:
+def policy_for(name: str, lane: bool = False) -> LoadedPolicy:
+    """The scenario's policy; ``lane``: the lane policy in ``policies/`` of the same name where the
+    scenario names an emulator-exact one (what an operator deploys: the robustness block runs it)."""
     if name == CALIBRATED:
         return calibrated_policy()
     sc = scenario(name, 0)
-    return load_policy_file(sc.policy_path(ROOT / "scenarios"))
+    path = sc.policy_path(ROOT / "scenarios")
+    if lane and path.resolve().parent == EMULATOR_POLICIES:
+        path = LANE_POLICIES / path.name
+    return load_policy_file(path)
 
 
 def with_overrides(loaded: LoadedPolicy, overrides: tuple[tuple[str, str], ...]) -> LoadedPolicy:
@@ -533,6 +543,8 @@ class Task:
     value: int | None = None
     # --policy-set: the sidecar's policy changed for a what-if run
     overrides: tuple[tuple[str, str], ...] = ()
+    # The lane policy (``policies/``) instead of the scenario's emulator-exact one (``policy_for``).
+    lane_policy: bool = False
 
 
 def run_task(task: Task) -> dict[str, Any]:
@@ -542,7 +554,7 @@ def run_task(task: Task) -> dict[str, Any]:
     started = time.perf_counter()
     driver: Driver
     if task.gate == "sidecar":
-        policy = with_overrides(policy_for(task.scenario), task.overrides)
+        policy = with_overrides(policy_for(task.scenario, task.lane_policy), task.overrides)
         if task.lag == "laggy":
             policy = slow_policy(policy)
         driver = bl.SidecarDriver(sc, profile, policy, seed)

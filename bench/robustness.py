@@ -60,9 +60,10 @@ def tasks(scenarios: list[str], seeds: int) -> list[A.Task]:
     for row in ROWS:
         for sc in _scenarios(row, scenarios):
             for i in range(seeds):
-                for gate in ("sidecar", "oracle"):
-                    out[A.Task(sc, i, "default", row[1], gate)] = None
-                out[A.Task(sc, i, "default", "none", "sidecar")] = None  # the unperturbed reference
+                out[A.Task(sc, i, "default", row[1], "sidecar", lane_policy=True)] = None
+                out[A.Task(sc, i, "default", row[1], "oracle")] = None
+                # the unperturbed reference
+                out[A.Task(sc, i, "default", "none", "sidecar", lane_policy=True)] = None
     return list(out)
 
 

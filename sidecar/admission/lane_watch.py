@@ -188,22 +188,57 @@ def raised_margin(
     ratio: float,
     m: MonitorRules,
     ceiling: float | None = None,
+    upper: float | None = None,
 ) -> float:
     """The margin in force after an allocation ``ratio`` times a projection made with the margin
-    ``projected_with``: what the lane drew (``projected_with x ratio``) times ``1 + safety``, at least
-    plus ``step``: in proportion to what was seen, not a fixed step. Never above ``max_margin`` (nor
-    the policy's own margin), never below ``margin`` (the one in force), and never above ``ceiling``
-    (the margin at which the largest prompt this engine has served would become unfit: it ran, so the
-    lane fits it) unless what was seen itself is above it. A finding with nothing projected says
-    nothing about the coefficients: the margin stays."""
+    ``projected_with``: what the lane drew (``projected_with x ratio``, a multiple of the cost terms)
+    times ``1 + safety``, at least plus ``step``: in proportion to what was seen, not a fixed step.
+    Never above ``max_margin`` (nor the policy's own margin), never below ``margin`` (the one in
+    force), and never above ``ceiling`` (the margin at which the largest prompt this engine has served
+    would become unfit: it ran, so the lane fits it) unless what was seen itself is above it. A
+    finding with nothing projected says nothing about the coefficients: the margin stays.
+
+    ``upper``: what the readings bound the draw by from above (``draw_bracket``), None where they do
+    not. A reading's draw is a lower bound (its projection may run up to a chunk ahead), which is why
+    the safety goes on top of it; with an upper bound at or under ``margin`` the margin in force
+    already covers every draw the readings allow (a lane drawing x1.03 under a margin of 1.05 is
+    within its stated safety): nothing to raise. Above it, the safety goes on top of the upper bound."""
     if not m.raise_margin or math.isinf(ratio):
         return margin
     cap = max(m.max_margin, policy_margin)
     seen = projected_with * ratio
+    if upper is not None:
+        if upper <= margin:
+            return margin  # covered by the margin in force: the finding is logged, the line stays
+        seen = max(seen, upper)
     target = max(seen * (1.0 + m.safety), seen + m.step)
     if ceiling is not None:
         target = min(target, max(ceiling, seen))
     return max(margin, min(cap, target))
+
+
+def chunk_growth(cost: CostModel, chunk_tokens: int) -> int:
+    """How much one prefill's cost terms grow over one chunk (``chunk_tokens`` more context): the most
+    a projection at progress, which may run up to a chunk ahead of what the engine has allocated
+    (evidence D17), can overstate the terms of one prefill in flight."""
+    per_token = cost.context_bytes_per_token + cost.gather_bytes_per_context_token
+    return math.ceil(chunk_tokens * (per_token + cost.chunk_context_bytes * chunk_tokens))
+
+
+def draw_bracket(
+    observed: int, terms: int, growth: int, before: tuple[float, float] | None
+) -> tuple[float, float] | None:
+    """What the readings of one prefill in flight say about the lane's draw (a multiple of the cost
+    terms): at least ``observed / terms`` (the projection's terms may run ahead of the engine), at most
+    ``observed / (terms - growth)`` (by no more than a chunk). Readings at a steady draw narrow the
+    bracket; one that does not overlap it (the draw changed: an upgrade, a new kernel, noise) starts it
+    again from itself. None: no bound (the terms are within a chunk of zero)."""
+    if terms <= growth or observed <= 0:
+        return None
+    lo, hi = observed / terms, observed / (terms - growth)
+    if before is None or lo > before[1] or hi < before[0]:
+        return lo, hi
+    return max(lo, before[0]), min(hi, before[1])
 
 
 def projection(totals: LedgerTotals, cost: CostModel) -> int:
@@ -271,6 +306,10 @@ class LaneWatch:
         self._raw: dict[int, int] = {}
         self._served_raw = 0
         self._transient_cap: int | None = None
+        # -- what the readings of a prefill in flight alone bound the lane's draw by (``draw_bracket``),
+        # and the chunk size the projections at progress step by (the rules in force).
+        self.bracket: tuple[float, float] | None = None
+        self._chunk_tokens = own.lane.chunked_prefill_size
         # Told when something the state file keeps changed (the app writes it: ``ops/learned_file``).
         self.on_learned: Callable[[], None] = lambda: None
 
@@ -301,6 +340,7 @@ class LaneWatch:
         self.margin_finding = None
         self.covered = own.cost.calibrated_ratio
         self._floor = min(self._floor, own.cost.margin)
+        self.bracket = None
         self._warned.clear()
 
     @property
@@ -330,6 +370,7 @@ class LaneWatch:
         self._low_water = self._prev_free = None
         self._peak = self._window = (0, self.margin)
         self._ended_now = self._ended_before = 0
+        self.bracket = None
         if had is not None or self._own.vram.idle_free_auto:
             log.info(
                 "engine changed (%s): idle free memory will be measured again when it is idle",
@@ -497,6 +538,7 @@ class LaneWatch:
         changed = self._see_build(snap) or changed
         changed = self._compare_facts(snap) or changed
         self._transient_cap = rules.vram.transient_cap()
+        self._chunk_tokens = rules.lane.chunked_prefill_size
         g = snap.gpu
         if g is not None and g is not self._last_gpu and g.free_bytes is not None and not defer:
             self._last_gpu = g
@@ -675,6 +717,20 @@ class LaneWatch:
             )
         return before != {f.name: f.in_force for f in facts if f.disagrees}
 
+    def _bracket(self, observed: int, projected: int, projected_with: float, alone: bool) -> float | None:
+        """The upper bound the readings put on the lane's draw (``draw_bracket``), where they can:
+        readings of one prefill in flight, priced at its progress (a chunk ahead at most). Other
+        readings (several requests, a sum of ended peaks, progress unknown) can run ahead by more than
+        a chunk: the bracket is dropped and a finding is priced on its draw plus the safety."""
+        if not alone or projected <= 0 or projected_with <= 0 or self._chunk_tokens <= 0:
+            self.bracket = None
+            return None
+        terms = round(projected / projected_with)
+        self.bracket = draw_bracket(
+            observed, terms, chunk_growth(self._cost, self._chunk_tokens), self.bracket
+        )
+        return None if self.bracket is None else self.bracket[1]
+
     def _confirm(self, observed: int, projected: int, projected_with: float, requests: int) -> bool:
         """While a new build is unconfirmed, a reading that shows a new peak of what the lane draws for
         admitted work: within the learned margin (and the monitor's tolerance), the fit is confirmed and
@@ -808,6 +864,7 @@ class LaneWatch:
         projected, projected_with = reference
         requests = max(1, len(ids))
         confirmed = free < low and self._confirm(observed, projected, projected_with, requests)
+        upper = self._bracket(observed, projected, projected_with, in_flight is not None and len(ids) == 1)
         cover = self.covered
         if cover is not None and projected:
             # The cost terms (at most the bytes over the smallest margin they were priced with) times
@@ -830,7 +887,7 @@ class LaneWatch:
             return confirmed
         before = self.margin
         self.margin = raised_margin(
-            before, projected_with, self._own.cost.margin, ratio, self._own.monitor, self._ceiling()
+            before, projected_with, self._own.cost.margin, ratio, self._own.monitor, self._ceiling(), upper
         )
         if cover is not None:
             # What the lane has shown is known from now on: a later reading counts beyond it.
