@@ -265,3 +265,19 @@ def _load(name: str) -> ModuleType:
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "bench"))
+
+
+def test_a_robustness_row_end_to_end_on_the_band_with_the_lane_policy() -> None:
+    """The band below the lane's limit on its lane policy (``policies/``, margin 1.05, 16 MiB): a lane
+    drawing x1.03 from the start is within the stated safety, so it serves what the unperturbed lane
+    serves (the monitor's readings bound the draw within the margin: nothing raised); one drawing x1.10
+    from a moment on is beyond it, and the prompt caught in it is aborted, not the engine."""
+    bench = _bench()
+    task = bench.Task("band-below-limit", 0, "default", "none", "sidecar", lane_policy=True)
+    assert bench.policy_for("band-below-limit", True).policy.cost.margin == 1.05
+    base = bench.run_task(task)
+    within = bench.run_task(bench.Task(**{**task.__dict__, "perturbation": "sys1.03"}))
+    assert base["crashes"] == within["crashes"] == 0
+    assert within["served_tokens"] == base["served_tokens"] > 0
+    beyond = bench.run_task(bench.Task(**{**task.__dict__, "perturbation": "late1.10"}))
+    assert beyond["crashes"] == 0 and beyond["guard_aborts"] >= 1

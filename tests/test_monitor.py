@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from sidecar.admission.controller import Admission, Outcome
-from sidecar.admission.lane_watch import LaneWatch, excess, raised_margin
+from sidecar.admission.lane_watch import LaneWatch, draw_bracket, excess, raised_margin
 from sidecar.core.decision import Action
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import HeadroomSource, Rules
@@ -380,3 +380,44 @@ def test_without_progress_the_previous_projection_still_counts() -> None:
     w.observe(gpu(base, 0.1, 10 * GIB - 500 * MIB), busy, rules, 0.1)
     w.observe(gpu(base, 0.2, 10 * GIB - 990 * MIB), done, rules, 0.2)
     assert w.underestimates == 0 and w.unprojected == 0
+
+
+# -- the draw the readings bound (issue 29: the monitor in proportion) ---------------------------------
+
+
+def test_a_lone_prefills_readings_bracket_its_draw_and_a_change_starts_the_bracket_again() -> None:
+    # Projected 1,000 MiB of terms at progress, one chunk of growth 40 MiB: the engine may be a chunk
+    # behind, so 1,030 MiB allocated is a draw of x1.030 at least and x1.030 / 0.96 at most.
+    b = draw_bracket(1030 * MIB, 1000 * MIB, 40 * MIB, None)
+    assert b == pytest.approx((1.03, 1030 / 960))
+    # A reading between chunks (the projection a chunk ahead) narrows it from above: x1.03 confirmed.
+    b = draw_bracket(1030 * MIB, 1040 * MIB, 40 * MIB, b)
+    assert b == pytest.approx((1.03, 1.03))
+    # A draw that no longer overlaps (the engine changed under the sidecar) starts it again.
+    assert draw_bracket(1150 * MIB, 1040 * MIB, 40 * MIB, b) == pytest.approx((1150 / 1040, 1.15))
+    # Terms within a chunk of zero bound nothing.
+    assert draw_bracket(50 * MIB, 40 * MIB, 40 * MIB, b) is None
+
+
+def test_a_draw_bounded_within_the_margin_in_force_raises_nothing() -> None:
+    m = Monitor(max_margin=1.5)  # safety 0.05, step 0
+    # Compared with the cost terms (projected with 1.0): a x1.03 draw under a margin of 1.05.
+    assert raised_margin(1.05, 1.0, 1.05, 1.03, m, upper=1.035) == 1.05
+    # The same reading with no upper bound (several requests, progress unknown): the safety goes on
+    # top of the draw, which may be understated by the projection's lead.
+    assert raised_margin(1.05, 1.0, 1.05, 1.03, m) == pytest.approx(1.0815)
+    # A bound beyond the margin: the safety on top of the bound, not of the (lower) draw.
+    assert raised_margin(1.05, 1.0, 1.05, 1.046, m, upper=1.1) == pytest.approx(1.155)
+    # Never below the margin in force, never above max_margin.
+    assert raised_margin(1.2, 1.0, 1.05, 1.1, m, upper=1.15) == 1.2
+    assert raised_margin(1.05, 1.0, 1.05, 1.4, m, upper=1.6) == 1.5
+
+
+def test_chunk_growth_is_one_chunk_of_context_terms() -> None:
+    from sidecar.admission.lane_watch import chunk_growth
+    from sidecar.policy.schema import load_policy_file
+    from tests.conftest import ROOT
+
+    cost = rules_of(load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml").policy).cost
+    # 8,192 more tokens of context at 4,783 bytes each (the old build's context terms, gather merged).
+    assert chunk_growth(cost, 8192) == 8192 * 4783
