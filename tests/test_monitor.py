@@ -421,3 +421,10 @@ def test_chunk_growth_is_one_chunk_of_context_terms() -> None:
     cost = rules_of(load_policy_file(ROOT / "policies" / "maxq-qwen3next-old.yaml").policy).cost
     # 8,192 more tokens of context at 4,783 bytes each (the old build's context terms, gather merged).
     assert chunk_growth(cost, 8192) == 8192 * 4783
+
+
+def test_a_policy_step_is_the_least_a_margin_keeps_above_a_bounded_draw() -> None:
+    # The emulator-exact policies' step 0.1: a margin of 1.13 covers bounded draws up to 1.03 only.
+    m = Monitor(max_margin=1.5, step=0.1)
+    assert raised_margin(1.13, 1.0, 1.0, 1.02, m, upper=1.025) == 1.13
+    assert raised_margin(1.13, 1.0, 1.0, 1.05, m, upper=1.06) == pytest.approx(1.16)

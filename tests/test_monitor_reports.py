@@ -127,6 +127,7 @@ def test_the_state_before_and_after_measuring_and_after_a_finding() -> None:
         "worst_ratio": None,
         "last": None,
         "covered_ratio": None,
+        "draw_bracket": None,
         "raise_margin": True,
         "max_margin": 1.5,
         "margin": margin,

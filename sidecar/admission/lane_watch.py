@@ -200,15 +200,16 @@ def raised_margin(
 
     ``upper``: what the readings bound the draw by from above (``draw_bracket``), None where they do
     not. A reading's draw is a lower bound (its projection may run up to a chunk ahead), which is why
-    the safety goes on top of it; with an upper bound at or under ``margin`` the margin in force
-    already covers every draw the readings allow (a lane drawing x1.03 under a margin of 1.05 is
-    within its stated safety): nothing to raise. Above it, the safety goes on top of the upper bound."""
+    the safety goes on top of it; with an upper bound at or under ``margin`` (less ``step``, the least
+    a policy keeps a margin above a draw) the margin in force already covers every draw the readings
+    allow (a lane drawing x1.03 under a margin of 1.05 is within its stated safety): nothing to raise.
+    Above it, the safety goes on top of the upper bound."""
     if not m.raise_margin or math.isinf(ratio):
         return margin
     cap = max(m.max_margin, policy_margin)
     seen = projected_with * ratio
     if upper is not None:
-        if upper <= margin:
+        if upper + m.step <= margin:
             return margin  # covered by the margin in force: the finding is logged, the line stays
         seen = max(seen, upper)
     target = max(seen * (1.0 + m.safety), seen + m.step)
@@ -614,6 +615,9 @@ class LaneWatch:
                 else self.last.fields() | {"age_s": round(now - self.last.at, 3)},
                 # Readings are compared with the cost terms times this (None: with the projection).
                 "covered_ratio": None if self.covered is None else round(self.covered, 4),
+                # What the readings of a lone prefill bound the lane's draw by (multiples of the cost
+                # terms, ``draw_bracket``); None: no such readings since the draw last changed.
+                "draw_bracket": None if self.bracket is None else [round(x, 4) for x in self.bracket],
                 "raise_margin": m.raise_margin,
                 "max_margin": max(m.max_margin, self._own.cost.margin),
                 "margin": {
