@@ -271,7 +271,8 @@ class Monitor(_Strict):
 
     Always on, in shadow and enforce: an allocation larger than the ledger's projection for what was
     running is counted and logged. With ``raise_margin`` the cost margin in force rises to cover it
-    (observed / projected x margin, times 1 + ``safety``, at least plus ``step``), never above
+    (observed / projected x margin, or the readings' upper bound on it, times 1 + ``safety``, at
+    least plus ``step``; nothing while that bound is within the margin in force), never above
     ``max_margin``, nor so far that a prompt this engine has served becomes unfit; a policy reload
     starts again from the policy's own margin (a crash's margin stays: docs/robustness.md). An allocation within ``tolerance`` (relative) of the projection
     or smaller than ``min_bytes`` over it is allocator rounding, not a finding. With
