@@ -406,8 +406,10 @@ def test_a_draw_bounded_within_the_margin_in_force_raises_nothing() -> None:
     # The same reading with no upper bound (several requests, progress unknown): the safety goes on
     # top of the draw, which may be understated by the projection's lead.
     assert raised_margin(1.05, 1.0, 1.05, 1.03, m) == pytest.approx(1.0815)
-    # A bound beyond the margin: the safety on top of the bound, not of the (lower) draw.
-    assert raised_margin(1.05, 1.0, 1.05, 1.046, m, upper=1.1) == pytest.approx(1.155)
+    # A bound beyond the margin: at least the bound (every draw the readings allow), and at least the
+    # draw seen with the safety on top (what the rule without a bound gives: never less than that).
+    assert raised_margin(1.05, 1.0, 1.05, 1.046, m, upper=1.1) == pytest.approx(1.1)
+    assert raised_margin(1.05, 1.0, 1.05, 1.06, m, upper=1.07) == pytest.approx(1.113)
     # Never below the margin in force, never above max_margin.
     assert raised_margin(1.2, 1.0, 1.05, 1.1, m, upper=1.15) == 1.2
     assert raised_margin(1.05, 1.0, 1.05, 1.4, m, upper=1.6) == 1.5
@@ -427,4 +429,4 @@ def test_a_policy_step_is_the_least_a_margin_keeps_above_a_bounded_draw() -> Non
     # The emulator-exact policies' step 0.1: a margin of 1.13 covers bounded draws up to 1.03 only.
     m = Monitor(max_margin=1.5, step=0.1)
     assert raised_margin(1.13, 1.0, 1.0, 1.02, m, upper=1.025) == 1.13
-    assert raised_margin(1.13, 1.0, 1.0, 1.05, m, upper=1.06) == pytest.approx(1.16)
+    assert raised_margin(1.13, 1.0, 1.0, 1.05, m, upper=1.06) == pytest.approx(1.15)

@@ -205,16 +205,16 @@ def raised_margin(
     the safety goes on top of it; with an upper bound at or under ``margin`` (less ``step``, the least
     a policy keeps a margin above a draw) the margin in force already covers every draw the readings
     allow (a lane drawing x1.03 under a margin of 1.05 is within its stated safety): nothing to raise.
-    Above it, the safety goes on top of the upper bound."""
+    Beyond it the new margin covers at least the upper bound, and the draw seen times ``1 + safety``."""
     if not m.raise_margin or math.isinf(ratio):
         return margin
     cap = max(m.max_margin, policy_margin)
     seen = projected_with * ratio
-    if upper is not None:
-        if upper + m.step <= margin:
-            return margin  # covered by the margin in force: the finding is logged, the line stays
-        seen = max(seen, upper)
-    target = max(seen * (1.0 + m.safety), seen + m.step)
+    if upper is not None and upper + m.step <= margin:
+        return margin  # covered by the margin in force: the finding is logged, the line stays
+    # At least every draw the readings allow (``upper``), and the draw seen with the stated safety on
+    # top (which covers what the reading may understate where nothing bounds it).
+    target = max(seen * (1.0 + m.safety), seen + m.step, upper or 0.0)
     if ceiling is not None:
         target = min(target, max(ceiling, seen))
     return max(margin, min(cap, target))
