@@ -1,16 +1,24 @@
-"""The least a pure-Python ASGI + aiohttp proxy can do per request, for the overhead benchmark only.
+"""The least a pure-Python ASGI proxy can do per request, for the overhead benchmark only.
 
-Read the body, send it upstream on a pooled aiohttp connection, relay the status, headers and body
-chunks: no gate, no parsing, no header filtering, no disconnect watch, no access log, no metrics.
-Served by the same uvicorn (httptools, uvloop) as the sidecar. What the sidecar costs beyond this
-is its own work; what this costs beyond nginx is the floor of the stack, not of the sidecar.
+Read the body, send it upstream on a pooled connection, relay the status, headers and body chunks: no
+gate, no parsing, no header filtering, no disconnect watch, no access log, no metrics. By default served
+by the same uvicorn (httptools, uvloop) as the sidecar, with aiohttp's client. What the sidecar costs
+beyond this is its own work; what this costs beyond nginx is the floor of the stack, not of the sidecar.
 
-    python bench/floor_proxy.py --upstream http://127.0.0.1:PORT --port PORT
+``--server`` and ``--client`` swap the two sides, so the ASGI servers that exist can be measured as
+floors with the same benchmark (issue #27): ``uvicorn`` (httptools + uvloop), ``granian`` (Rust HTTP,
+its ASGI interface, uvloop), ``hypercorn`` (h11, uvloop); ``--client lean`` relays through the
+sidecar's own upstream client (``sidecar/http/engine_client.py``), the one its data path uses, so
+``--client lean`` under a server is that server's floor for the sidecar.
+
+    python bench/floor_proxy.py --upstream http://127.0.0.1:PORT --port PORT [--server S] [--client C]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
 import aiohttp
@@ -68,14 +76,66 @@ class FloorProxy:
             await send({"type": "http.response.body", "body": b""})
 
 
+class LeanFloor(FloorProxy):
+    """The floor with the sidecar's own upstream client in place of aiohttp's."""
+
+    def make_session(self) -> Any:
+        from sidecar.http.engine_client import UpstreamClient
+
+        return UpstreamClient(
+            self.upstream, max_connections=1024, connect_timeout_s=5.0, read_timeout_s=1800.0
+        )
+
+
+SERVERS = ("uvicorn", "granian", "hypercorn")
+CLIENTS = ("aiohttp", "lean")
+
+
+def app_from_env() -> FloorProxy:
+    """The app granian imports by name (``floor_proxy:app_from_env``, a factory) in its worker."""
+    cls = LeanFloor if os.environ["FLOOR_CLIENT"] == "lean" else FloorProxy
+    return cls(os.environ["FLOOR_UPSTREAM"])
+
+
+def serve(server: str, client: str, upstream: str, port: int) -> None:
+    app = (LeanFloor if client == "lean" else FloorProxy)(upstream)
+    if server == "uvicorn":
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                    loop="uvloop", http="httptools")  # fmt: skip
+    elif server == "granian":
+        from granian import Granian
+
+        os.environ.update(FLOOR_UPSTREAM=upstream, FLOOR_CLIENT=client)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        # One worker process, one runtime thread, uvloop: the same single core of Python as the others.
+        Granian("floor_proxy:app_from_env", address="127.0.0.1", port=port, interface="asgi", workers=1,
+                runtime_threads=1, loop="uvloop", factory=True, log_access=False,
+                log_level="warning", backlog=4096).serve()  # fmt: skip
+    elif server == "hypercorn":
+        import asyncio
+
+        import uvloop
+        from hypercorn.asyncio import serve as hypercorn_serve
+        from hypercorn.config import Config
+
+        config = Config()
+        config.bind = [f"127.0.0.1:{port}"]
+        config.accesslog = None
+        config.loglevel = "WARNING"
+        config.backlog = 4096
+        uvloop.run(hypercorn_serve(app, config, shutdown_trigger=asyncio.Future))
+    else:
+        raise SystemExit(f"unknown server {server}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--server", choices=SERVERS, default="uvicorn")
+    ap.add_argument("--client", choices=CLIENTS, default="aiohttp")
     args = ap.parse_args()
-    uvicorn.run(
-        FloorProxy(args.upstream), host="127.0.0.1", port=args.port, log_level="warning", access_log=False
-    )
+    serve(args.server, args.client, args.upstream, args.port)
 
 
 if __name__ == "__main__":

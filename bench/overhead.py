@@ -275,17 +275,27 @@ def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[
             cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.sidecar),
         )  # fmt: skip
         procs.append(sc.proc)
-        # The stack's own floor, on the sidecar's cores (they are loaded one at a time).
-        fl.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--upstream", up.url,
-             "--port", fl.url.rsplit(":", 1)[1]],
-            cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.sidecar),
-        )  # fmt: skip
-        procs.append(fl.proc)
-        for url in (up.url + "/health", ng.url + "/health", sc.url + "/healthz", fl.url + "/health"):
+        # The stack's own floors, on the sidecar's cores (they are loaded one at a time): ``floor`` is
+        # uvicorn + aiohttp (the figure every earlier run printed); ``floor-<server>`` relays through the
+        # sidecar's own lean client under each ASGI server that is installed (issue #27, step 5).
+        floors = {"floor": ("uvicorn", "aiohttp")} | {f"floor-{srv}": (srv, "lean") for srv in args.floors}
+        extra: dict[str, Server] = {}
+        for name, (server, client) in floors.items():
+            f = fl if name == "floor" else Server(name, f"http://127.0.0.1:{free_port()}")
+            f.proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--upstream", up.url,
+                 "--port", f.url.rsplit(":", 1)[1], "--server", server, "--client", client],
+                cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.sidecar),
+            )  # fmt: skip
+            f.extra.update(server=server, client=client)
+            procs.append(f.proc)
+            if name != "floor":
+                extra[name] = f
+        urls = [up.url + "/health", ng.url + "/health", sc.url + "/healthz", fl.url + "/health"]
+        for url in urls + [f.url + "/health" for f in extra.values()]:
             asyncio.run(wait_up(url))
         time.sleep(1.0)  # a few polls, so the gate has signals
-        yield {"direct": up, "nginx": ng, "sidecar": sc, "floor": fl}
+        yield {"direct": up, "nginx": ng, "sidecar": sc, "floor": fl} | extra
     except BaseException:
         log.flush()
         sys.stderr.write((tmp / "servers.log").read_text()[-4000:])
@@ -688,7 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only", choices=("saturation", "paced", "large"), action="append", help="run only these"
     )
+    ap.add_argument(
+        "--floors", default=",".join(installed_servers()),
+        help="ASGI servers measured as floors with the sidecar's client (default: those installed)",
+    )  # fmt: skip
+    ap.add_argument("--no-hold-queue", action="store_true", help="skip bench/hold_queue.py's figures")
     args = ap.parse_args(argv)
+    args.floors = [f for f in args.floors.split(",") if f]
     args.seconds = args.seconds or (2.0 if args.quick else 8.0)
     args.large_reps = args.large_reps or (3 if args.quick else 10)
     MACHINE = args.machine or f"{os.cpu_count()} cores, {cpu_model()}"
@@ -704,10 +720,10 @@ def main(argv: list[str] | None = None) -> int:
         lags["idle"] = lag(srv)
         # What each process burns with no traffic: the sidecar's pollers (and the 1 ms lag probe).
         idle = {name: 1000 * (cpu_seconds(s.pid) - idle0[name]) / args.seconds for name, s in srv.items()}
-        proxies = {k: v for k, v in srv.items() if k != "floor"}  # the floor: saturation only
+        proxies = {k: v for k, v in srv.items() if not k.startswith("floor")}  # the floors: saturation only
         for phase in phases:
             rows += {"saturation": lambda: saturation(args, cores, srv, Path(t)),
-                     "paced": lambda: paced(args, cores, proxies),
+                     "paced": lambda: paced(args, cores, proxies | own_floor(srv)),
                      "large": lambda: large(args, cores, proxies)}[phase]()  # fmt: skip
             lags[phase] = lag(srv)
         versions = {"nginx": srv["nginx"].extra["version"], "gpu_source": srv["sidecar"].extra["gpu_source"]}
@@ -725,6 +741,10 @@ def main(argv: list[str] | None = None) -> int:
             f"  {f['kind']:18} floor/nginx {f['floor_vs_nginx']:6.2f} x   sidecar/floor {f['sidecar_vs_floor']:5.2f} x"
             f"   sidecar/nginx {f['sidecar_vs_nginx']:6.2f} x"
         )
+    servers_table(rows)
+    held = [] if args.no_hold_queue else hold_queue_figures(args)
+    goals = issue27(rows, lags, idle, micro, held)
+    print_issue27(goals)
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": MACHINE,
@@ -739,11 +759,178 @@ def main(argv: list[str] | None = None) -> int:
         "decision_in_process": micro,
         "targets": tg,
         "floor": floor,
+        "issue27": goals,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\nwrote {args.json} ({doc['wall_s']:g} s)")
     return 0
+
+
+def servers_table(rows: list[dict]) -> None:
+    """The floors side by side (issue #27 step 5): each ASGI server relaying through the sidecar's own
+    client (``floor-<server>``) and uvicorn + aiohttp (``floor``), as CPU per request or event and
+    saturation throughput, each also / nginx."""
+    print("\nASGI servers as floors (bench/floor_proxy.py; CPU us per request or event, req/s; x nginx)")
+    print(
+        f"  {'path':16}{'small us':>10}{'x':>7}{'req/s':>9}{'pass us':>10}{'x':>7}{'sse us/ev':>11}{'x':>7}"
+    )
+    ng = {k: find(rows, "nginx", "saturation", k) for k in ("small", "small-passthrough", "sse")}
+    for path in sorted({r["path"] for r in rows if r["path"].startswith("floor")} | {"sidecar"}):
+        cells = []
+        for kind, metric in (("small", "cpu_s_per_1000_requests"), ("small-passthrough", "cpu_s_per_1000_requests"),
+                             ("sse", "cpu_s_per_1000_events")):  # fmt: skip
+            r, n = find(rows, path, "saturation", kind), ng[kind]
+            v = r[metric] * 1000 if r and r[metric] is not None else None
+            x = v / (n[metric] * 1000) if v is not None and n and n[metric] else None
+            cells.append((v, x, r["requests_per_s"] if r else None))
+        (a, ax, rps), (b, bx, _), (c, cx, _) = cells
+        print(f"  {path:16}{fmt(a, 1, 0):>10}{fmt(ax, 1, 1):>7}{fmt(rps, 1, 0):>9}{fmt(b, 1, 0):>10}{fmt(bx, 1, 1):>7}"
+              f"{fmt(c, 1, 1):>11}{fmt(cx, 1, 1):>7}")  # fmt: skip
+
+
+def own_floor(srv: dict[str, Server]) -> dict[str, Server]:
+    """The sidecar's own floor (its server, its client), where it runs: paced too, so that a burst's
+    added time to first byte has the figure the stack itself reaches beside the sidecar's."""
+    return {k: v for k, v in srv.items() if k == "floor-uvicorn"}
+
+
+def installed_servers() -> list[str]:
+    """The ASGI servers ``bench/floor_proxy.py`` can run here (uvicorn always: the sidecar's own)."""
+    import importlib.util
+
+    return ["uvicorn"] + [m for m in ("granian", "hypercorn") if importlib.util.find_spec(m) is not None]
+
+
+# Issue #27's table: what each figure was when it was filed (lent 16-core H100 host, --quick) and its goal.
+# A "keep" goal is met while the figure is no worse than it was (ratios to nginx, or the ms as filed).
+ISSUE27_WAS = {
+    "gated": "383 us, 18.9x nginx, 2.04x floor",
+    "pass": "78 us, 4.05x nginx",
+    "gate": "~305 us",
+    "burst": "18.6 / 19.0 ms",
+    "staggered": "0.92 / 0.88 ms",
+    "sse": "3.73x nginx",
+    "stall": "10.4 ms",
+    "idle": "55 ms/s",
+    "saturation": "247 ms (nginx 1.7)",
+}
+
+
+def _us(r: dict | None) -> float | None:
+    return None if r is None or r["cpu_s_per_1000_requests"] is None else 1000 * r["cpu_s_per_1000_requests"]
+
+
+def issue27(
+    rows: list[dict], lags: dict[str, dict], idle: dict[str, float], micro: dict | None, held: list[dict]
+) -> list[dict[str, Any]]:
+    """Every figure of issue #27's table, measured in this run, with its goal and whether it is met."""
+    out: list[dict[str, Any]] = []
+
+    def goal(
+        figure: str, value: float | None, limit: float | None, unit: str, note: str = "", was: str = ""
+    ) -> None:
+        met = None if value is None or limit is None else value <= limit
+        out.append({"figure": figure, "value": value, "limit": limit, "unit": unit, "met": met, "note": note,
+                    "was": ISSUE27_WAS.get(was, "")})  # fmt: skip
+
+    def sat(path: str, kind: str) -> dict | None:
+        return find(rows, path, "saturation", kind)
+
+    floors = sorted({r["path"] for r in rows if r["path"].startswith("floor")})
+    own_floor = own_floor_name(rows)
+    g, p, ng, fl = (
+        sat("sidecar", "small"),
+        sat("sidecar", "small-passthrough"),
+        sat("nginx", "small"),
+        sat(own_floor, "small"),
+    )
+    gu, pu, ngu, flu = _us(g), _us(p), _us(ng), _us(fl)
+    note = f"{gu:.0f} us, {gu / ngu:.1f}x nginx" if gu and ngu else ""
+    goal("CPU per gated small request / floor", gu / flu if gu and flu else None, 1.2, "x",
+         f"{note}; floor = {own_floor} {flu:.0f} us" if flu else note, "gated")  # fmt: skip
+    for f in floors:
+        fu = _us(sat(f, "small"))
+        if f != own_floor and gu and fu:
+            goal(f"  (gated small / {f})", gu / fu, None, "x", f"{f} {fu:.0f} us")
+    png = _us(sat("nginx", "small-passthrough"))
+    goal("CPU per pass-through request / nginx", pu / png if pu and png else None, 4.05, "x",
+         f"{pu:.0f} us (keep: no worse than filed)" if pu else "", "pass")  # fmt: skip
+    goal("gate work per request (gated - pass-through)", gu - pu if gu and pu else None, 60, "us",
+         f"decide() p50 {micro['p50_us']:.1f} us in-process" if micro else "", "gate")  # fmt: skip
+    b = find(rows, "sidecar", "paced", "sse") or {}
+    goal("64 streams at once: added TTFB p50", b.get("added_ttfb_p50_ms"), 2, "ms", was="burst")
+    goal("64 streams at once: added TTFB p99", b.get("added_ttfb_p99_ms"), 5, "ms", was="burst")
+    bf = find(rows, own_floor_name(rows), "paced", "sse") or {}
+    if bf:
+        f50, f99 = bf.get("added_ttfb_p50_ms"), bf.get("added_ttfb_p99_ms")
+        goal(
+            "  (the floor under the same bursts: p50)",
+            f50,
+            None,
+            "ms",
+            f"{own_floor_name(rows)}, p99 {fmt(f99)} ms",
+        )
+    st = find(rows, "sidecar", "paced", "sse-staggered") or {}
+    goal("staggered starts: added TTFB p50", st.get("added_ttfb_p50_ms"), 1, "ms", "keep", "staggered")
+    goal("staggered starts: added TTFB p99", st.get("added_ttfb_p99_ms"), 5, "ms", "keep", "staggered")
+    sse, nsse = sat("sidecar", "sse"), sat("nginx", "sse")
+    ratio = (
+        sse["cpu_s_per_1000_events"] / nsse["cpu_s_per_1000_events"]
+        if sse and nsse and nsse["cpu_s_per_1000_events"]
+        else None
+    )
+    goal("SSE CPU per event / nginx", ratio, 2, "x", was="sse")
+    goal(
+        "event-loop stall while signals poll, paced",
+        lags.get("paced", {}).get("max_ms"),
+        5,
+        "ms",
+        was="stall",
+    )
+    goal("sidecar idle CPU (pollers, lag probe)", idle.get("sidecar"), 10, "ms/s", was="idle")
+    ngp99 = ng["ttfb_p99_ms"] if ng else None
+    goal("saturation, gated small: p99 TTFB", g["ttfb_p99_ms"] if g else None, None, "ms",
+         f"nginx {ngp99:.2f} ms; goal: bounded by an operator's limit, answered, not queued" if ngp99 else "",
+         "saturation")  # fmt: skip
+    if held:
+        out += held
+    else:
+        for figure in ("2,000 held released: admissions/s", "/healthz p99 while 2,000 are held",
+                       "10,000 arriving clients: answered"):  # fmt: skip
+            goal(figure, None, None, "", "bench/hold_queue.py not run (not present, or --no-hold-queue)")
+    return out
+
+
+def own_floor_name(rows: list[dict]) -> str:
+    """The sidecar's floor: its own server (uvicorn) with its own client; the aiohttp floor where that
+    is all there is (an older run, ``--floors ''``)."""
+    return "floor-uvicorn" if any(r["path"] == "floor-uvicorn" for r in rows) else "floor"
+
+
+def hold_queue_figures(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The hold-queue rows of issue #27 from ``bench/hold_queue.py`` when it is there: it must offer
+    ``issue27_figures(quick: bool) -> list[dict]`` with the keys of :func:`issue27`'s rows (figure,
+    value, limit, unit, met, note). Absent, or failing, the rows say so and the run goes on."""
+    path = Path(__file__).resolve().parent / "hold_queue.py"
+    if not path.exists():
+        return []
+    try:
+        import hold_queue  # bench/ is on sys.path (beside this file)
+
+        return list(hold_queue.issue27_figures(quick=args.quick))
+    except Exception as e:  # a sibling benchmark's failure must not lose this run's figures
+        return [{"figure": "bench/hold_queue.py", "value": None, "limit": None, "unit": "", "met": None,
+                 "note": f"failed: {type(e).__name__}: {e}", "was": ""}]  # fmt: skip
+
+
+def print_issue27(goals: list[dict[str, Any]]) -> None:
+    print("\nissue #27 (every figure with its goal; 'was' = when the issue was filed, H100 host --quick)")
+    for t in goals:
+        state = {True: "met", False: "NOT MET", None: "-"}[t["met"]]
+        limit = "" if t["limit"] is None else f"goal <= {t['limit']:g}"
+        print(f"  {t['figure']:48} {fmt(t['value']):>9} {t['unit']:5} {limit:12} {state:8} {t['note']}"
+              + (f"  [was {t['was']}]" if t.get("was") else ""))  # fmt: skip
 
 
 def cpu_model() -> str:

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.admission.clock import LoopClock
 from sidecar.admission.controller import Admission
 from sidecar.core import demand
-from sidecar.core.snapshot import EngineSignals, GpuSignals, SourceHealth
+from sidecar.core.snapshot import EngineSignals, GpuSignals, Snapshot, SourceHealth
 from sidecar.http.access_log import AccessLog
 from sidecar.http.answers import Response, error_response, invalid_request, json_response, send_response
 from sidecar.http.asgi import ASGIApp, Message, Receive, Scope, Send
@@ -95,6 +95,7 @@ class SidecarApp:
             # What earlier runs learned (margins, the engine build), kept as it changes (ops/learned_file).
             learned_file.keep(state_file, self.admission.watch)
             self.admission.refresh_rules()  # the rules in force with what was restored
+        self._context_cache: tuple[Any, ...] | None = None
         self.telemetry.context = self._log_context
         self.counter = PromptCounter(_counter_config(policy), engine_tokenize=self._engine_tokenize)
         self.trust_emulator_sizes = trust_emulator_sizes
@@ -427,23 +428,21 @@ class SidecarApp:
         return self.admission.evaluate(probe).admitted
 
     def _log_context(self) -> dict[str, Any]:
-        snap, now = self.admission.snapshot, self.clock()
+        """The decision log's view of the lane at this decision. What a snapshot carries is taken once
+        per snapshot (``_snapshot_context``); only the queue length and the signals' ages are read per
+        decision (issue #27: the whole record was rebuilt per request)."""
+        a = self.admission
+        snap, now = a.snapshot, self.clock()
+        cached = self._context_cache
+        if cached is None or cached[0] is not snap or cached[1] is not a.loaded or cached[2] != a.shadow:
+            cached = self._context_cache = (snap, a.loaded, a.shadow, *_snapshot_context(a, snap))
+        _, _, _, head, engine, gpu = cached
         e, g = snap.engine, snap.gpu
         return {
-            "policy": self.admission.policy.name,
-            "mode": "shadow" if self.admission.shadow else "enforce",
-            "held": self.admission.held,
-            "engine": None
-            if e is None
-            else {
-                "running": e.running_requests,
-                "queue": e.queue_requests,
-                "full_usage": e.full_token_usage,
-                "mamba_usage": e.mamba_usage,
-                "pending_prefill_tokens": e.pending_prefill_tokens,
-                "age_s": _round(snap.engine_age(now)),
-            },
-            "gpu": None if g is None else {"free_bytes": g.free_bytes, "age_s": _round(snap.gpu_age(now))},
+            **head,
+            "held": a.held,
+            "engine": None if e is None else {**engine, "age_s": _round(max(0.0, now - e.observed_at))},
+            "gpu": None if g is None else {**gpu, "age_s": _round(max(0.0, now - g.observed_at))},
         }
 
     # -- policy -----------------------------------------------------------------------------------
@@ -610,6 +609,22 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 def _counter_config(loaded: LoadedPolicy) -> CounterConfig:
     return CounterConfig(**loaded.policy.prompt.model_dump())
+
+
+def _snapshot_context(a: Admission, snap: Snapshot) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The decision log's context fields that change only with a snapshot or a policy: the head
+    (policy, mode), the engine's and the GPU's fields without their ages (``_log_context`` adds them)."""
+    e, g = snap.engine, snap.gpu
+    head = {"policy": a.policy.name, "mode": "shadow" if a.shadow else "enforce"}
+    engine = {} if e is None else {
+        "running": e.running_requests,
+        "queue": e.queue_requests,
+        "full_usage": e.full_token_usage,
+        "mamba_usage": e.mamba_usage,
+        "pending_prefill_tokens": e.pending_prefill_tokens,
+    }  # fmt: skip
+    gpu = {} if g is None else {"free_bytes": g.free_bytes}
+    return head, engine, gpu
 
 
 def _round(v: float | None) -> float | None:

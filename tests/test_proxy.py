@@ -316,14 +316,25 @@ async def test_a_large_body_is_forwarded_whole_and_let_go_of_while_the_stream_ru
     assert b"[DONE]" in rest and engine.arrived[-1]["input_ids"] == ids
 
 
-def test_a_requests_headers_are_decoded_once_for_the_parser_and_the_forwarder() -> None:
-    """The parser's dict and the upstream request's headers read one decoded list, kept in the scope."""
-    from sidecar.http.proxy import _headers_dict, _request_headers
+def test_the_parser_gets_the_headers_it_reads_and_the_forwarder_all_decoded_once() -> None:
+    """The parser's dict holds only the priority headers and the policy's class header (decoding every
+    header per request was work for nothing); the upstream request's headers read one decoded list,
+    kept in the scope."""
+    from sidecar.http.proxy import _headers_dict, _parser_header_names, _request_headers
 
-    scope = {"headers": [(b"host", b"x"), (b"x-priority", b"3"), (b"user-agent", "café".encode())]}
-    assert _headers_dict(scope) == {"host": "x", "x-priority": "3", "user-agent": "café"}
+    scope = {
+        "headers": [
+            (b"host", b"x"),
+            (b"x-priority", b"3"),
+            (b"x-tier", b"gold"),
+            (b"user-agent", "café".encode()),
+        ]
+    }
+    assert _headers_dict(scope, _parser_header_names(None)) == {"x-priority": "3"}
+    assert _headers_dict(scope, _parser_header_names("X-Tier")) == {"x-priority": "3", "x-tier": "gold"}
+    assert dict(_request_headers(scope)) == {"x-priority": "3", "x-tier": "gold", "user-agent": "café"}
     decoded = scope["sidecar.decoded_headers"]
-    assert dict(_request_headers(scope)) == {"x-priority": "3", "user-agent": "café"}
+    assert dict(_request_headers(scope)) == {"x-priority": "3", "x-tier": "gold", "user-agent": "café"}
     assert scope["sidecar.decoded_headers"] is decoded
 
 

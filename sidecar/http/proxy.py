@@ -15,6 +15,7 @@ happened (``Handle.outcome_on_exit``), so the ledger always returns to zero.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import random
@@ -43,7 +44,7 @@ from sidecar.http.asgi import Receive, Scope, Send
 from sidecar.http.engine_client import UpstreamClient
 from sidecar.http.hosts import json_body_refusal
 from sidecar.http.server import DISCONNECT_WATCH
-from sidecar.intake.body import BadRequest, GenerationRequest, parse_generation
+from sidecar.intake.body import PRIORITY_HEADERS, BadRequest, GenerationRequest, parse_generation
 from sidecar.intake.demand import demand_of
 from sidecar.intake.gateway import gateway_fields_in, without_fields
 from sidecar.intake.tokens import PromptCounter, TokenCount
@@ -134,6 +135,9 @@ class Proxy:
         self.session: aiohttp.ClientSession | UpstreamClient | None = None
         # rids of the gated requests in flight through this sidecar (policy gateway_fields.rid: unique).
         self._rids: dict[str, int] = {}
+        # Gate work per loop turn (``_Turns``): a burst's first requests reach the engine, and their first
+        # bytes the clients, while the rest are still to be decided.
+        self.turns = _Turns()
 
     # -- entry ---------------------------------------------------------------------------------------
 
@@ -214,6 +218,7 @@ class Proxy:
     ) -> None:
         rids: list[str] = []
         try:
+            await self.turns.enter()
             admitted = await self._decide(scope, body.data, send, handle, route, sent_id, rids)
             if admitted is not None:
                 task = asyncio.current_task()
@@ -249,7 +254,7 @@ class Proxy:
             parse_generation,
             scope["path"],
             body,
-            _headers_dict(scope),
+            _headers_dict(scope, _parser_header_names(a.policy.priority.bounds.class_header)),
             max_body_bytes=a.policy.limits.max_body_bytes,
             accept_emulator=self.trust_declared_sizes,
             priority=a.policy.priority.bounds,
@@ -445,6 +450,62 @@ class Proxy:
                 # client does not mistake a truncated stream for a complete one.
                 log.warning("upstream broke mid-response on %s: %s", scope["path"], e)
                 raise UpstreamBroke(str(e)) from None
+
+
+class _Turns:
+    """About ``budget_s`` of gated requests' gate work per event-loop turn; the rest wait for the next
+    turns, in arrival order.
+
+    Why (issue #27, bursts): the server starts every request that arrived together in one loop turn,
+    and each runs its gate work (parse, count, decide, log) and its forward in one step. A burst of
+    64 then did all 64 gates before the loop read any of the engine's answers: every request's first
+    byte waited for the whole burst's gate work (p50 = p99 = 64 gates). Spread over turns, the engine's
+    answers are read and relayed between them, so a request's first byte waits for the gates ahead of
+    it only. The total work is the same; a request alone, or a trickle, never waits.
+    """
+
+    __slots__ = ("_clock", "_entered", "_per_gate", "_queue", "_turn_at", "budget_s")
+
+    def __init__(self, budget_s: float = 0.001, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.budget_s = budget_s
+        self._clock = clock
+        self._turn_at: float | None = None  # when this turn's first gate started; None: no turn open
+        self._entered = 0  # gates started in this turn
+        self._per_gate = budget_s / 4  # a gate's time, as last measured (how many a turn lets go)
+        self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def enter(self) -> None:
+        """Return when this request may do its gate work: at once while this turn's budget lasts and
+        nobody waits, else in a later turn, after those that waited before it."""
+        if self._turn_at is None:
+            self._turn_at, self._entered = self._clock(), 1
+            asyncio.get_running_loop().call_soon(self._next_turn)
+            return
+        if not self._queue:
+            spent = self._clock() - self._turn_at
+            if spent < self.budget_s:
+                self._per_gate = spent / self._entered
+                self._entered += 1
+                return
+        waiter = asyncio.get_running_loop().create_future()
+        self._queue.append(waiter)
+        await waiter
+
+    def _next_turn(self) -> None:
+        """A new loop turn: let go of as many waiters, in order, as the budget holds (their gates run
+        in the next turn, after the engine's answers read in this one)."""
+        self._turn_at = None
+        queue = self._queue
+        n = max(1, int(self.budget_s / max(self._per_gate, 1e-6)))
+        released = 0
+        while queue and released < n:
+            waiter = queue.popleft()
+            if not waiter.done():  # done: its request was cancelled (the client left) while it waited
+                waiter.set_result(None)
+                released += 1
+        if released:
+            self._turn_at, self._entered = self._clock(), released
+            asyncio.get_running_loop().call_soon(self._next_turn)
 
 
 async def _acquire(handle: Handle, demand: Demand) -> bool:
@@ -718,8 +779,21 @@ def _decoded(scope: Scope) -> list[tuple[bytes, str, str]]:
     return decoded
 
 
-def _headers_dict(scope: Scope) -> dict[str, str]:
-    return {k: v for _, k, v in _decoded(scope)}
+def _headers_dict(scope: Scope, names: frozenset[bytes]) -> dict[str, str]:
+    """The headers the body parser reads (``names``: the priority headers, a policy's class header),
+    decoded; a request carries none of them mostly, and decoding all of its headers was per-request
+    work for nothing (issue #27)."""
+    return {k.decode("latin-1"): v.decode("utf-8") for k, v in scope["headers"] if k in names}
+
+
+@functools.lru_cache(maxsize=8)
+def _parser_header_names(class_header: str | None) -> frozenset[bytes]:
+    """What ``parse_generation`` consults (``intake.body._priority``, ``PriorityBounds.resolve``), as
+    ASGI header names (lower-case bytes); once per policy's class header."""
+    names = {n.encode("latin-1") for n in PRIORITY_HEADERS}
+    if class_header is not None:
+        names.add(class_header.lower().encode("latin-1"))
+    return frozenset(names)
 
 
 def _request_header_bytes(scope: Scope, keep_length: bool) -> list[tuple[bytes, bytes]]:

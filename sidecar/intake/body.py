@@ -74,7 +74,10 @@ _LIMIT_SOURCE = "policy limits.max_body_bytes"
 
 # Headers that may carry a priority when the body has none; the sidecar's own name wins over the
 # generic one because a gateway in front of us sets it deliberately.
-_PRIORITY_HEADERS = ("x-admission-priority", "x-priority")
+# The headers a priority may come in (in this order of precedence); the proxy hands the parser only
+# these and the policy's class header.
+PRIORITY_HEADERS = ("x-admission-priority", "x-priority")
+_PRIORITY_HEADERS = PRIORITY_HEADERS
 _INT_HEADER = re.compile(r"[+-]?[0-9]{1,18}")
 
 _MEDIA_KEYS = ("image_data", "video_data", "audio_data")
