@@ -115,6 +115,13 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
         assert await _one(app, gated) == 200
     if phases is not None:
         phases.update(dict.fromkeys(phases, 0))
+    import gc
+
+    if os.environ.get("GATE_GC_THRESHOLD"):  # what the serve process would run with (issue #27)
+        gc.set_threshold(*(int(x) for x in os.environ["GATE_GC_THRESHOLD"].split(",")))
+    gc.collect()
+    gc.freeze()  # as ``serve`` does after start-up
+    collections0 = [g["collections"] for g in gc.get_stats()]
     # CPU time, not wall: on a shared machine wall time is mostly other processes' turn.
     prof = cProfile.Profile(time.process_time) if profile else None
     t0 = time.process_time()
@@ -126,6 +133,9 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
         prof.disable()
     cpu = time.process_time() - t0
     out: dict[str, Any] = {"kind": kind, "n": n, "cpu_us_per_request": 1e6 * cpu / n}
+    out["gc_collections_per_1000"] = [
+        round(1000 * (g["collections"] - c0) / n, 1) for g, c0 in zip(gc.get_stats(), collections0, strict=True)
+    ]
     if phases is not None:
         out["phases_us"] = {k: v / 1000 / n for k, v in phases.items()}
     if prof and os.environ.get("GATE_PROFILE_DUMP"):

@@ -7,7 +7,7 @@ summed, not the largest batch's: ``docs/design.md`` (the ledger).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import count
 
 from sidecar.core.decision import Booked, Charge
@@ -58,7 +58,7 @@ class Ledger:
         entry = self._entries.get(key)
         if entry is None or not entry.prefilling:
             return False
-        self._entries[key] = replace(entry, prefilling=False)
+        self._entries[key] = _Entry(entry.charge, False)  # not ``replace``: ~3 µs per first byte
         self._totals = _added(self._totals, entry.charge, prefill=-1, running=0)
         return True
 

@@ -250,20 +250,21 @@ class Proxy:
         """Parse, count, decide: the admit headers and _forward's options, or None once answered here.
         ``rids``: where the request's rids are put once it holds them (the caller lets them go)."""
         a = self.admission
-        parse = functools.partial(
-            parse_generation,
-            scope["path"],
-            body,
-            _headers_dict(scope, _parser_header_names(a.policy.priority.bounds.class_header)),
-            max_body_bytes=a.policy.limits.max_body_bytes,
-            accept_emulator=self.trust_declared_sizes,
-            priority=a.policy.priority.bounds,
-            shape=route.shape if route is not None and route.shape else None,
-        )
+        bounds = a.policy.priority.bounds
+        args = (scope["path"], body, _headers_dict(scope, _parser_header_names(bounds.class_header)))
+        options = {
+            "max_body_bytes": a.policy.limits.max_body_bytes,
+            "accept_emulator": self.trust_declared_sizes,
+            "priority": bounds,
+            "shape": route.shape if route is not None and route.shape else None,
+        }
         try:
             # A 500K-token prompt is MBs of JSON (tens of ms to decode): off the loop, so other requests
             # and the pollers do not wait behind it. Small bodies are cheaper parsed in place.
-            req = await asyncio.to_thread(parse) if len(body) > PARSE_IN_THREAD_BYTES else parse()
+            if len(body) > PARSE_IN_THREAD_BYTES:
+                req = await asyncio.to_thread(functools.partial(parse_generation, *args, **options))
+            else:
+                req = parse_generation(*args, **options)
         except BadRequest as e:
             rid = sent_id or new_request_id()
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))

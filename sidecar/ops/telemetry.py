@@ -338,16 +338,18 @@ def decision_record(
     d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
 ) -> dict[str, Any]:
     """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back."""
-    rec: dict[str, Any] = {"ts": round(time.time(), 3), "event": "decision"}
-    rec |= decision_fields(d, cost)
-    rec["waited_s"] = round(waited_s, 4)
-    rec["ledger"] = {
-        "requests": ledger.requests,
-        "prefill_tokens": ledger.prefill_tokens,
-        "projected_bytes": ledger.projected_bytes,
+    return {
+        "ts": round(time.time(), 3),
+        "event": "decision",
+        **decision_fields(d, cost),
+        "waited_s": round(waited_s, 4),
+        "ledger": {
+            "requests": ledger.requests,
+            "prefill_tokens": ledger.prefill_tokens,
+            "projected_bytes": ledger.projected_bytes,
+        },
+        **context,
     }
-    rec.update(context)
-    return rec
 
 
 class StateCollector(Collector):
