@@ -218,7 +218,8 @@ class Proxy:
     ) -> None:
         rids: list[str] = []
         try:
-            await self.turns.enter()
+            if not self.turns.let_in():
+                await self.turns.wait()
             admitted = await self._decide(scope, body.data, send, handle, route, sent_id, rids)
             if admitted is not None:
                 task = asyncio.current_task()
@@ -478,16 +479,25 @@ class _Turns:
     async def enter(self) -> None:
         """Return when this request may do its gate work: at once while this turn's budget lasts and
         nobody waits, else in a later turn, after those that waited before it."""
+        if not self.let_in():
+            await self.wait()
+
+    def let_in(self) -> bool:
+        """May this request do its gate work now (no coroutine for the common case: a request alone)?"""
         if self._turn_at is None:
             self._turn_at, self._entered = self._clock(), 1
             asyncio.get_running_loop().call_soon(self._next_turn)
-            return
+            return True
         if not self._queue:
             spent = self._clock() - self._turn_at
             if spent < self.budget_s:
                 self._per_gate = spent / self._entered
                 self._entered += 1
-                return
+                return True
+        return False
+
+    async def wait(self) -> None:
+        """Wait for a later turn, after those that waited before this request."""
         waiter = asyncio.get_running_loop().create_future()
         self._queue.append(waiter)
         await waiter
