@@ -99,7 +99,8 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
         upstream=upstream,
         policy=load_policy_text(POLICY, "policy.yaml"),
         gpu_source=parse_gpu_source(f"file:{gpu_file}"),
-        decision_log=DecisionFile(os.devnull, 0, 0),
+        # GATE_NO_DECISION_LOG=1: no decision log at all (what the log's record costs, by difference)
+        decision_log=None if os.environ.get("GATE_NO_DECISION_LOG") else DecisionFile(os.devnull, 0, 0),
     )
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -134,7 +135,8 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
     cpu = time.process_time() - t0
     out: dict[str, Any] = {"kind": kind, "n": n, "cpu_us_per_request": 1e6 * cpu / n}
     out["gc_collections_per_1000"] = [
-        round(1000 * (g["collections"] - c0) / n, 1) for g, c0 in zip(gc.get_stats(), collections0, strict=True)
+        round(1000 * (g["collections"] - c0) / n, 1)
+        for g, c0 in zip(gc.get_stats(), collections0, strict=True)
     ]
     if phases is not None:
         out["phases_us"] = {k: v / 1000 / n for k, v in phases.items()}
