@@ -42,7 +42,7 @@ async def _burst(turns: _Turns, clock: Clock, n: int, gate_s: float) -> list[tup
 
 async def test_a_burst_is_let_in_over_several_turns_in_arrival_order() -> None:
     clock = Clock()
-    started = await _burst(_Turns(budget_s=1.0, clock=clock), clock, n=12, gate_s=0.25)
+    started = await _burst(_Turns(budget_s=1.0, clock=clock, min_per_turn=1), clock, n=12, gate_s=0.25)
     assert [i for i, _ in started] == list(range(12)), "arrival order"
     per_turn: dict[int, int] = {}
     for _, turn in started:
@@ -54,13 +54,24 @@ async def test_a_burst_is_let_in_over_several_turns_in_arrival_order() -> None:
 
 async def test_requests_that_fit_one_turn_are_not_delayed() -> None:
     clock = Clock()
-    started = await _burst(_Turns(budget_s=1.0, clock=clock), clock, n=3, gate_s=0.1)
+    started = await _burst(_Turns(budget_s=1.0, clock=clock, min_per_turn=1), clock, n=3, gate_s=0.1)
     assert len({turn for _, turn in started}) == 1
+
+
+async def test_a_turn_lets_in_at_least_its_minimum_whatever_the_gates_cost() -> None:
+    """At saturation a time budget alone let a couple of gates through a turn: the loop's per-turn
+    costs then outweighed the gates. A turn lets in ``min_per_turn`` however long they take."""
+    clock = Clock()
+    started = await _burst(_Turns(budget_s=1.0, clock=clock, min_per_turn=5), clock, n=12, gate_s=2.0)
+    per_turn: dict[int, int] = {}
+    for _, turn in started:
+        per_turn[turn] = per_turn.get(turn, 0) + 1
+    assert list(per_turn.values()) == [5, 5, 2]
 
 
 async def test_a_waiter_whose_client_left_is_skipped_and_the_rest_still_go() -> None:
     clock = Clock()
-    turns = _Turns(budget_s=1.0, clock=clock)
+    turns = _Turns(budget_s=1.0, clock=clock, min_per_turn=1)
 
     async def request(i: int) -> int:
         await turns.enter()

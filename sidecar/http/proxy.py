@@ -464,12 +464,19 @@ class _Turns:
     byte waited for the whole burst's gate work (p50 = p99 = 64 gates). Spread over turns, the engine's
     answers are read and relayed between them, so a request's first byte waits for the gates ahead of
     it only. The total work is the same; a request alone, or a trickle, never waits.
+
+    At least ``min_per_turn`` gates a turn: at saturation (wrk, 64 connections, on the lent H100 host) a
+    1 ms budget alone let ~2 gates through a turn and the loop's per-turn costs rose to ~40 % more CPU
+    per gated request (381 -> 531 µs; ``bench/results/2026-12-06-h100-overhead.md``).
     """
 
-    __slots__ = ("_clock", "_entered", "_per_gate", "_queue", "_turn_at", "budget_s")
+    __slots__ = ("_clock", "_entered", "_per_gate", "_queue", "_turn_at", "budget_s", "min_per_turn")
 
-    def __init__(self, budget_s: float = 0.001, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, budget_s: float = 0.001, clock: Callable[[], float] = time.perf_counter, min_per_turn: int = 16
+    ) -> None:
         self.budget_s = budget_s
+        self.min_per_turn = min_per_turn
         self._clock = clock
         self._turn_at: float | None = None  # when this turn's first gate started; None: no turn open
         self._entered = 0  # gates started in this turn
@@ -490,7 +497,7 @@ class _Turns:
             return True
         if not self._queue:
             spent = self._clock() - self._turn_at
-            if spent < self.budget_s:
+            if spent < self.budget_s or self._entered < self.min_per_turn:
                 self._per_gate = spent / self._entered
                 self._entered += 1
                 return True
@@ -507,7 +514,7 @@ class _Turns:
         in the next turn, after the engine's answers read in this one)."""
         self._turn_at = None
         queue = self._queue
-        n = max(1, int(self.budget_s / max(self._per_gate, 1e-6)))
+        n = max(self.min_per_turn, int(self.budget_s / max(self._per_gate, 1e-6)))
         released = 0
         while queue and released < n:
             waiter = queue.popleft()
