@@ -81,3 +81,18 @@ def test_the_hold_queue_bench_supplies_its_rows_and_a_failure_is_a_row(
     fake.issue27_figures = broken  # type: ignore[attr-defined]
     (failed,) = overhead.hold_queue_figures(args)
     assert failed["met"] is None and "RuntimeError: no engine" in failed["note"]
+
+
+def test_the_hold_queue_bench_s_own_figures_become_the_issue_s_rows() -> None:
+    res = {
+        "args": {"held": 2000, "arrivals": 10_000, "in_flight": 4},
+        "held_reached": 2000,
+        "admissions_per_s": 1046.0,
+        "healthz_p99_ms": 9.1,
+        "arrivals_answered": 9_999,
+        "arrivals_statuses": {"503": 5_904, "200": 4_095, "none": 1},
+    }
+    rate, health, answered = overhead.hold_queue_rows(res)
+    assert rate["value"] == 1046.0 and rate["met"] is True
+    assert health["value"] == 9.1 and health["met"] is True
+    assert answered["value"] == 9_999 and answered["met"] is False  # one client got no answer
