@@ -386,7 +386,7 @@ def table(res: dict[str, Any]) -> str:
         (f"clients answered of {m:,} arriving (max_held {a['arrivals_max_held']:,})",
          f"{fmt(res.get('arrivals_answered'))} {res.get('arrivals_statuses', '')}", f"{m:,}",
          res.get("arrivals_answered") == m),
-        ("sidecar idle CPU, ms per s", fmt(res.get("idle_cpu_ms_per_s")), "<= 10", (res.get("idle_cpu_ms_per_s") or 1e9) <= 10),
+        ("sidecar idle CPU, ms per s", fmt(res.get("idle_cpu_ms_per_s")), "<= 10", res.get("idle_cpu_ms_per_s") is not None and res["idle_cpu_ms_per_s"] <= 10),
         (f"sidecar CPU while {n:,} held, nothing moving, ms per s", fmt(res.get("held_cpu_ms_per_s")), "-", None),
     ]  # fmt: skip
     w = max(len(r[0]) for r in rows)
