@@ -105,9 +105,18 @@ def test_a_policy_claiming_more_idle_free_memory_than_measured_gets_the_measured
     forced = lane_facts.in_force(r, lane_facts.overrides(facts))
     assert forced.vram.idle_free_bytes == 1372 * MIB
     assert headroom_bytes(forced, snapshot(NOW), LedgerTotals()) == 1372 * MIB
-    # Within the tolerance (2 % and 64 MiB): the policy's figure stays, nothing disagrees.
+    # Within the tolerance (2 % and 64 MiB) nothing is loud (no warning, metric or alert), but the
+    # measured figure still bounds the claim: a 40 MiB over-claim costs 40 MiB of headroom.
     close = lane_facts.compare(r, None, 1993 * MIB - 40 * MIB, None, idle_free_policy=1993 * MIB)
-    assert not any(f.disagrees for f in close) and lane_facts.in_force(r, lane_facts.overrides(close)) is r
+    assert not any(f.disagrees or f.unsafe for f in close)
+    bounded = lane_facts.in_force(r, lane_facts.overrides(close))
+    assert bounded.vram.idle_free_bytes == 1953 * MIB
+    assert headroom_bytes(r, snapshot(NOW), LedgerTotals()) - headroom_bytes(
+        bounded, snapshot(NOW), LedgerTotals()
+    ) == 40 * MIB
+    # The same figure measured: nothing overridden, the policy's own rules.
+    same = lane_facts.compare(r, None, 1993 * MIB, None, idle_free_policy=1993 * MIB)
+    assert lane_facts.overrides(same) == () and lane_facts.in_force(r, ()) is r
     # A policy that claims less than measured is the safer: it stays in force (shown as disagreeing).
     less = {f.name: f for f in lane_facts.compare(r, None, 4000 * MIB, None, idle_free_policy=1993 * MIB)}
     assert less["idle_free_bytes"].disagrees and not less["idle_free_bytes"].unsafe

@@ -15,6 +15,7 @@ import pytest
 
 from sidecar.admission.controller import Admission, Outcome
 from sidecar.admission.lane_watch import NEW_BUILD_SAFETY, AdmittedSet, crash_margin, excess
+from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action, Reason
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals, Snapshot, SourceHealth
@@ -257,3 +258,27 @@ def test_the_engine_s_own_facts_disagreeing_are_warned_of_once_and_in_force(
     assert rules_of(a.policy).lane.kv_pool_tokens == 100_000  # the policy's own, unchanged
     assert isinstance(a.snapshot.engine, EngineSignals)
     _ = LedgerTotals
+
+
+def test_an_over_claim_within_the_tolerance_is_quiet_but_never_believed(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A policy claiming 40 MiB more idle free memory than the lane measures (below the 64 MiB the
+    warning waits for): no warning, no disagreement shown, but the headroom is the measured one."""
+    a = Admission(
+        small_policy(
+            cost__activation_bytes_per_chunk_token="1MiB",
+            vram__headroom="idle_budget",
+            vram__idle_free_bytes="4GiB",
+        ),
+        clock,
+    )
+    snap = gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB - 40 * MIB)
+    believed = headroom_bytes(rules_of(a.policy), snap, LedgerTotals())  # the policy's figure
+    with caplog.at_level(logging.WARNING, logger="sidecar.admission.lane_watch"):
+        a.update_snapshot(snap)
+    fact = a.watch.state(clock.t)["lane_facts"]["idle_free_bytes"]
+    assert (fact["in_force"], fact["disagrees"], fact["unsafe"]) == (4 * GIB - 40 * MIB, False, False)
+    assert a.rules.vram.idle_free_bytes == 4 * GIB - 40 * MIB
+    assert believed - a.evaluate(ask(a, 1)).headroom_bytes == 40 * MIB
+    assert not [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "lane_fact_disagrees"]

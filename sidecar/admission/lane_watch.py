@@ -703,7 +703,7 @@ class LaneWatch:
         )
         if facts == self.facts:
             return False
-        before = {f.name: f.in_force for f in self.facts if f.disagrees}
+        before = lane_facts.overrides(self.facts)
         self.facts = facts
         for f in facts:
             key = (f.policy, f.measured)
@@ -721,7 +721,7 @@ class LaneWatch:
                 f"in force: {f.in_force} (the safer figure)" if f.in_force is not None else "check the lane",
                 extra={"fields": {"event": "lane_fact_disagrees", "fact": f.name, **f.fields()}},
             )
-        return before != {f.name: f.in_force for f in facts if f.disagrees}
+        return before != lane_facts.overrides(facts)
 
     def _bracket(self, observed: int, projected: int, projected_with: float, alone: bool) -> float | None:
         """The upper bound the readings put on the lane's draw (``draw_bracket``), where they can:

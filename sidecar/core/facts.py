@@ -5,6 +5,10 @@ figure it measured and the GPUs its source reads; ``compare`` says, per fact, bo
 force and whether they disagree beyond the tolerance; ``in_force`` puts the safer figures into the
 rules. ``check-policy --upstream`` runs the same comparison before a policy is deployed.
 
+The figure in force is always the safer one, however small the difference: a policy that claims
+40 MiB more idle free memory than measured hands out 40 MiB that are not there. The tolerance only
+decides what is *loud*: ``disagrees`` (the warning, the disagreement metric and its alert).
+
 Which figure is safer:
 
 * ``idle_free_bytes``: the smaller. A policy that claims more idle free memory than the lane has
@@ -28,7 +32,8 @@ from sidecar.core.rules import Rules
 from sidecar.core.snapshot import EngineSignals
 
 # Idle free memory moves by a few MiB between readings (CUDA context, allocator blocks of 2 MiB):
-# a disagreement is more than this relative share of the policy's figure and more than the bytes.
+# a disagreement (warned, counted, alerted) is more than this relative share of the policy's figure
+# and more than the bytes. The figure in force is the smaller one whatever the difference.
 IDLE_FREE_TOLERANCE = 0.02
 IDLE_FREE_TOLERANCE_BYTES = 64 * 2**20
 
@@ -38,7 +43,8 @@ Safer = Literal["smaller", "measured", "none"]
 @dataclass(frozen=True, slots=True)
 class Fact:
     """One lane fact: the policy's figure, the measured one (None: not measured yet, or the policy
-    gives none), the one in force, and whether the two disagree beyond the tolerance. ``unsafe``: the
+    gives none), the one in force (the safer, even within the tolerance), and whether the two
+    disagree beyond the tolerance (what is warned of and alerted). ``unsafe``: they disagree and the
     policy's figure is the less safe one (it promises more than the lane has)."""
 
     name: str
@@ -67,7 +73,7 @@ def _fact(name: str, policy: int | None, measured: int | None, safer: Safer) -> 
     else:
         disagrees = policy != measured
     if safer == "smaller":
-        in_force = min(policy, measured) if disagrees else policy
+        in_force = min(policy, measured)  # within the tolerance too: only the warning waits for it
         unsafe = disagrees and policy > measured
     elif safer == "measured":
         in_force, unsafe = measured, disagrees
@@ -106,13 +112,19 @@ def compare(
 
 
 def overrides(facts: tuple[Fact, ...]) -> tuple[tuple[str, int], ...]:
-    """The facts that disagree, each with its figure in force (``rules.Learned.facts``)."""
-    return tuple((f.name, f.in_force) for f in facts if f.disagrees and f.in_force is not None)
+    """Every fact the policy states whose figure in force is not the policy's, each with that figure
+    (``rules.Learned.facts``): a difference within the tolerance included (it is not warned of, but
+    the safer figure is in force)."""
+    return tuple(
+        (f.name, f.in_force)
+        for f in facts
+        if f.policy is not None and f.in_force is not None and f.in_force != f.policy
+    )
 
 
 def in_force(rules: Rules, forced: tuple[tuple[str, int], ...]) -> Rules:
-    """The rules with the safer figure of every fact that disagrees (``overrides``; the module
-    docstring says which is safer)."""
+    """The rules with the safer figure of every fact that differs from the policy's (``overrides``;
+    the module docstring says which is safer)."""
     by = dict(forced)
     if not by:
         return rules
