@@ -73,6 +73,8 @@ from sidecar_emulator.events import (
 )
 from sidecar_emulator.profiles import LaneProfile
 
+# The SGLang build the emulator reports until an upgrade (``LaneProfile.upgrade_version`` after it).
+BASE_VERSION = "0.5.23"
 MAMBA_CRASH = "AssertionError: Can not alloc mamba cache"
 PREFILL_OOM = "RuntimeError: Prefill out of memory. Try to lower your batch size."
 
@@ -194,6 +196,11 @@ class EngineModel:
         self._boot(start_time)
 
     # ------------------------------------------------------------------ public API
+    @property
+    def version(self) -> str:
+        """The build the engine reports (``/server_info``, ``/v1/loads``): the upgrade's once it came back."""
+        return self.profile.upgrade_version if self._upgraded else BASE_VERSION
+
     @property
     def up(self) -> bool:
         return self._up

@@ -23,11 +23,11 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from sidecar_emulator.engine import EngineModel
+from sidecar_emulator.engine import BASE_VERSION, EngineModel
 from sidecar_emulator.events import Gauges
 from sidecar_emulator.profiles import GiB, LaneProfile
 
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = BASE_VERSION  # before an upgrade: ``EngineModel.version`` is what it reports
 TTFT_BUCKETS = (
     0.1,
     0.2,
@@ -464,7 +464,7 @@ def loads_json(
     }
     return {
         "timestamp": now,
-        "version": SGLANG_VERSION,
+        "version": model.version,
         "accelerator": accelerator,
         "num_accelerators": 1,
         "loads": [load],
@@ -539,7 +539,7 @@ def server_info(model: EngineModel) -> dict[str, object]:
         "max_total_num_tokens": p.kv_pool_tokens,
         "max_req_input_len": p.max_req_input_len,
         "internal_states": [internal],
-        "version": SGLANG_VERSION,
+        "version": model.version,
         "frontend": "python",
         "emulator": {"profile": p.name, "seed": model.seed, "restarts": model.restarts},
     }

@@ -139,6 +139,9 @@ class LaneProfile:
     # How long that planned restart keeps the lane down (assumed: a rolling restart with the weights in
     # the page cache, not the 774 s crash recovery of evidence I6).
     upgrade_down_s: float = 60.0
+    # The version the new build reports (``/server_info`` and ``/v1/loads`` ``version``: SGLang's
+    # ``get_server_info`` returns ``"version": __version__``, evidence RB2), so a sidecar sees the build change.
+    upgrade_version: str = "0.5.24"
 
     # --- tensor parallelism --------------------------------------------------------------------
     # Ranks (one engine process and one GPU each). Every device, static and transient figure of the

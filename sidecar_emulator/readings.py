@@ -9,9 +9,9 @@ lagging gauges, never the model's live state.
 from __future__ import annotations
 
 from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals
-from sidecar_emulator.engine import EngineModel
+from sidecar_emulator.engine import BASE_VERSION, EngineModel
 
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = BASE_VERSION
 
 
 def engine_signals(model: EngineModel, now: float) -> EngineSignals:
@@ -53,7 +53,7 @@ def engine_signals(model: EngineModel, now: float) -> EngineSignals:
         chunked_prefill_size=p.chunked_prefill_size,
         context_len=p.context_length,
         gpus=1,  # server_info's tp_size x pp_size (exposition.py)
-        version=SGLANG_VERSION,
+        version=model.version,
         sources=("metrics", "loads", "server_info"),
         **fields,  # type: ignore[arg-type]
     )

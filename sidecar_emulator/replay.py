@@ -606,6 +606,7 @@ class Driver(VirtualLoop):
             if self.engine_health.consecutive_failures:
                 # Answered again after failed reads: a new engine process, as the live scraper sees it.
                 self.admission.engine_restarted("it answered again after a failed scrape")
+                snap = self.admission.snapshot  # as the live scraper's callback reads it: after
             self.engine_health = SourceHealth(self.t, None, 0)
             snap = replace(snap, engine=engine_signals(self.engine, self.t), engine_health=self.engine_health)
         else:

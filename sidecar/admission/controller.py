@@ -393,6 +393,9 @@ class Admission:
             if self.ledger.totals.requests
             else None
         )
+        # The GPU reading saw the old process (its memory released, or not yet allocated): none until
+        # the new one is read (the decision holds meanwhile: ``decide._blindness``).
+        self.snapshot = replace(self.snapshot, gpu=None)
         if self.watch.engine_restarted(now, why, admitted):
             self._apply_rules()
             self.pump()

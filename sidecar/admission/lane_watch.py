@@ -296,6 +296,12 @@ class LaneWatch:
         # -- crashes: the admitted set when the engine was last seen failing, those read so far, and
         # the margin the latest one set (kept across engine restarts and reloads of the same costs).
         self._risk: AdmittedSet | None = None
+        # A restart with admitted work, read at the new process's first report (``_read_restart``).
+        self._restart: tuple[float, str, AdmittedSet] | None = None
+        # When the latest restart was noticed: a GPU reading older than it saw the engine down (its
+        # memory released), never its idle figure.
+        self._restarted_at = -math.inf
+        self.upgrades = 0  # restarts onto another build with work admitted (not crashes)
         self.crashes = 0
         self.last_crash: Crash | None = None
         self.crash_margin: float | None = None
@@ -360,11 +366,18 @@ class LaneWatch:
     ) -> bool:
         """A new engine process: its idle figure is measured again, its allocator starts empty. Where
         the gate had admitted work when it went (``admitted``, or the set seen when it was last seen
-        failing), the restart is a crash: an under-prediction of that set (``crash``). True when the
-        margin in force changed."""
+        failing), the restart is read when the new process first reports (``_read_restart``): the same
+        build, a crash (an under-prediction of that set, ``_crash``); another build, a planned upgrade
+        (conservative until confirmed, ``_see_build``). True when the margin in force changed."""
         evidence = self._risk or admitted
         self._risk = None
-        changed = evidence is not None and self._crash(now, why, evidence)
+        # An earlier restart whose process never reported: no build to tell an upgrade by, a crash.
+        changed = self._read_restart(None)
+        if evidence is not None:
+            # Read when the new process first reports (``_read_restart``): its build tells a planned
+            # upgrade from a crash.
+            self._restart = (now, why, evidence)
+        self._restarted_at = now
         self._served_raw = 0
         self.engine_restarts += 1
         had = self.idle
@@ -381,6 +394,46 @@ class LaneWatch:
                 extra={"fields": {"event": "idle_free_reset", "why": why}},
             )
         return changed
+
+    def _read_restart(self, snap: Snapshot | None) -> bool:
+        """The restart kept by ``engine_restarted``, read against the new process's first report
+        (``snap``; None: it never reported before the next restart). A build other than the one the
+        lane was learned on says the process was replaced on purpose (a deploy, a rolling upgrade):
+        what it killed did not run out of memory, and the new build is priced conservatively until a
+        reading confirms the fit (``_see_build``). The same build, or none reported: a crash. True
+        when the margin in force changed."""
+        pending = self._restart
+        if pending is None:
+            return False
+        at, why, evidence = pending
+        version = None
+        if snap is not None:
+            e = snap.engine
+            if e is None or e.observed_at < at or snap.engine_health.consecutive_failures:
+                return False  # not the new process's report yet
+            version = e.version
+        self._restart = None
+        if version is not None and self.build is not None and version != self.build:
+            self.upgrades += 1
+            log.warning(
+                "engine restarted (%s) onto a new build %s -> %s while the gate had admitted %d "
+                "request(s): read as a planned upgrade, not a crash (drain the lane before an upgrade "
+                "to spare them); the new build is priced conservatively until its fit is confirmed",
+                why,
+                self.build,
+                version,
+                len(evidence.request_ids),
+                extra={
+                    "fields": {
+                        "event": "engine_upgraded_under_load",
+                        "from": self.build,
+                        "to": version,
+                        **evidence.fields(),
+                    }
+                },
+            )
+            return False
+        return self._crash(at, why, evidence)
 
     def at_risk(self, s: AdmittedSet) -> None:
         """The engine was seen failing (a scrape failed, an admitted request's connection broke) while
@@ -537,7 +590,8 @@ class LaneWatch:
         compared with their final peaks, so a long prefill that runs over is seen only near its end.
         ``defer``: their progress is too old for this GPU reading (``PrefillProgress.too_old``); it is
         compared at the next snapshot, with the next engine report."""
-        changed = self._measure_idle(snap, rules, now)
+        changed = self._read_restart(snap)
+        changed = self._measure_idle(snap, rules, now) or changed
         changed = self._see_build(snap) or changed
         changed = self._compare_facts(snap) or changed
         self._transient_cap = rules.vram.transient_cap()
@@ -584,6 +638,8 @@ class LaneWatch:
                 if self.last_crash is None
                 else self.last_crash.fields() | {"age_s": round(now - self.last_crash.at, 3)},
                 "at_risk": None if self._risk is None else self._risk.fields(),
+                # Restarts onto another build with work admitted: planned upgrades, not crashes.
+                "upgrades_under_load": self.upgrades,
             },
             "engine_build": {
                 "version": self.build,
@@ -645,7 +701,7 @@ class LaneWatch:
             and snap.engine_health.consecutive_failures == 0
             and e.running_requests == 0
             and e.queue_requests == 0
-            and min(e.observed_at, g.observed_at) >= self._last_activity
+            and min(e.observed_at, g.observed_at) >= max(self._last_activity, self._restarted_at)
             and now - e.observed_at <= rules.engine.max_age_s
             and now - g.observed_at <= rules.gpu.max_age_s
         )
@@ -869,7 +925,11 @@ class LaneWatch:
         observed = idle_free - free - grown
         projected, projected_with = reference
         requests = max(1, len(ids))
-        confirmed = free < low and self._confirm(observed, projected, projected_with, requests)
+        # A new build's fit is read only where the reading shows the peaks: a new low with no prefill
+        # in flight (those that ran since the idle figure ended, their peaks in the allocator's
+        # cache). A reading mid-prefill shows part of a peak: below the projection, it confirms nothing.
+        shows_peaks = free < low and not self._raw
+        confirmed = shows_peaks and self._confirm(observed, projected, projected_with, requests)
         upper = self._bracket(observed, projected, projected_with, in_flight is not None and len(ids) == 1)
         cover = self.covered
         if cover is not None and projected:

@@ -350,12 +350,16 @@ def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:
     health = snap.engine_health
     if health.consecutive_failures >= rules.engine.unavailable_after_failures:
         note = health.last_error or "engine unreachable"
-        return (
-            Action.REJECT,
-            Reason.ENGINE_UNAVAILABLE,
-            Check(Reason.ENGINE_UNAVAILABLE.value, False, note=note),
-        )
-    gpu_rules = rules.gpu if rules.gpu.required and rules.vram.uses_gpu_signal else None
+        # ``engine.on_stale: hold`` rides a restart through: a request waits within the hold bounds
+        # (``max_wait_s``, ``max_held``) for the engine to answer again, and is refused with
+        # Retry-After beyond them. Otherwise (reject, or admit: nothing to admit into) 503 at once.
+        action = Action.HOLD if rules.engine.on_stale is Action.HOLD else Action.REJECT
+        return action, Reason.ENGINE_UNAVAILABLE, Check(Reason.ENGINE_UNAVAILABLE.value, False, note=note)
+    # No GPU reading from a source that has answered: the shell dropped it at an engine restart (it
+    # saw the old process's memory). Every headroom waits for the new process's first reading, which
+    # measures its idle figure before anything is let in (``LaneWatch._measure_idle``).
+    restarted = snap.gpu is None and snap.gpu_health.last_ok_at is not None
+    gpu_rules = rules.gpu if rules.gpu.required and (rules.vram.uses_gpu_signal or restarted) else None
     for name, age, sr in (
         ("engine", snap.engine_age(s.now), rules.engine),
         ("gpu", snap.gpu_age(s.now), gpu_rules),
