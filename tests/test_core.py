@@ -131,12 +131,15 @@ def test_transient_cap_boundary() -> None:
 
 
 def test_engine_unavailable_after_the_configured_failures() -> None:
-    r = rules()
+    r = rules(engine__on_stale="reject")
     down = replace(snapshot(NOW), engine_health=SourceHealth(NOW - 10, "connection refused", 3))
     d = judge(r, ask(r, 10), down)
     assert (d.action, d.reason) == (Action.REJECT, Reason.ENGINE_UNAVAILABLE)
     assert d.checks == (Check("engine_unavailable", False, note="connection refused"),)
     assert d.retry_after_s == 5  # at least one engine max_age: the next reads will tell
+    # ``on_stale: hold`` rides a restart through: held within the hold bounds, no answer yet.
+    held = judge(rules(), ask(r, 10), down)
+    assert (held.action, held.reason, held.retry_after_s) == (Action.HOLD, Reason.ENGINE_UNAVAILABLE, None)
     two = replace(snapshot(NOW), engine_health=SourceHealth(NOW, "connection refused", 2))
     assert judge(r, ask(r, 10), two).admitted
     silent = replace(snapshot(NOW), engine_health=SourceHealth(None, None, 3))

@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
+from sidecar.core.decision import Action
 from sidecar.policy.schema import load_policy_file
 from sidecar.signals.engine import EngineScraper, make_control_client
 from sidecar_emulator.demo import DEFAULT_SCENARIO, run_phase, scale_policy
@@ -79,6 +80,9 @@ async def test_engine_crash_drops_streams_and_the_sidecar_reports_it_unavailable
             policy = policy.__class__(
                 policy.policy.model_copy(
                     update={
+                        # Refuse while the engine is down (``hold`` rides a restart through instead:
+                        # test_robustness_lane's upgrade test).
+                        "engine": policy.policy.engine.model_copy(update={"on_stale": Action.REJECT}),
                         "vram": policy.policy.vram.model_copy(
                             update={"max_transient_bytes": None, "reserve_bytes": 0}
                         ),

@@ -88,6 +88,9 @@ def test_a_restart_after_admitted_requests_failed_raises_the_margin_and_logs_the
     # ... and when it is back as a new process, that set is the evidence.
     with caplog.at_level(logging.WARNING, logger="sidecar.admission.lane_watch"):
         a.engine_restarted("scheduler pid [1] -> [2]")
+        assert a.watch.crashes == 0  # read at the new process's first report: its build decides
+        clock.advance(0.5)
+        a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
     crash = a.watch.last_crash
     assert a.watch.crashes == 1 and crash is not None and crash.admitted.request_ids == ("big", "small")
     assert crash.admitted.projected_bytes == 3500 * MIB and crash.admitted.budget_bytes == 4 * GIB
@@ -124,6 +127,7 @@ def test_the_state_file_keeps_the_margin_across_a_sidecar_restart_atomically(
     h = submit(a, ask(a, 3000, request_id="big"))
     h.end(Outcome.UPSTREAM_ERROR)
     a.engine_restarted("scheduler pid [1] -> [2]")
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
     saved = json.loads(path.read_text())
     assert saved["margin"] == pytest.approx(4096 / 3000 * 1.05) and saved["crashes"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["lane.json"]  # no temporary file left
@@ -158,8 +162,13 @@ def test_a_new_build_is_conservative_until_a_reading_confirms_the_fit(clock: Man
     a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 2 * MIB))
     assert a.watch.conservative is not None
     tiny.end(Outcome.COMPLETED)
-    # A prompt large enough, drawing what its cost terms say: confirmed, the learned margin again.
+    # A prompt large enough: a reading mid-prefill shows part of its peak, which confirms nothing ...
     h = submit(a, ask(a, 1000, request_id="r1"))
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 500 * MIB))
+    assert a.watch.conservative is not None
+    # ... its prefill done, a reading that shows the peak (what its cost terms say): confirmed.
+    h.prefill_done()
     clock.advance(0.1)
     a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 1000 * MIB))
     assert a.watch.conservative is None and a.rules.cost.margin == 1.0
@@ -170,6 +179,7 @@ def test_a_new_build_that_draws_more_sets_the_margin_from_what_it_drew(clock: Ma
     a = lane(clock)
     a.update_snapshot(gpu(snapshot(clock.t, version="0.5.24"), clock.t, 4 * GIB))
     h = submit(a, ask(a, 1000, request_id="r1"))  # priced at 1.25: 1,250 MiB
+    h.prefill_done()
     clock.advance(0.1)
     a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 1100 * MIB))  # drew x1.10 of its terms
     assert a.watch.conservative is None

@@ -393,9 +393,8 @@ class Admission:
             if self.ledger.totals.requests
             else None
         )
-        # The GPU reading saw the old process (its memory released, or not yet allocated): none until
-        # the new one is read (the decision holds meanwhile: ``decide._blindness``).
-        self.snapshot = replace(self.snapshot, gpu=None)
+        # The GPU reading saw the old process: the decision waits for a newer one (``decide._blindness``).
+        self.snapshot = replace(self.snapshot, engine_restarted_at=now)
         if self.watch.engine_restarted(now, why, admitted):
             self._apply_rules()
             self.pump()

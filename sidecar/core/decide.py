@@ -355,11 +355,21 @@ def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:
         # Retry-After beyond them. Otherwise (reject, or admit: nothing to admit into) 503 at once.
         action = Action.HOLD if rules.engine.on_stale is Action.HOLD else Action.REJECT
         return action, Reason.ENGINE_UNAVAILABLE, Check(Reason.ENGINE_UNAVAILABLE.value, False, note=note)
-    # No GPU reading from a source that has answered: the shell dropped it at an engine restart (it
-    # saw the old process's memory). Every headroom waits for the new process's first reading, which
-    # measures its idle figure before anything is let in (``LaneWatch._measure_idle``).
-    restarted = snap.gpu is None and snap.gpu_health.last_ok_at is not None
-    gpu_rules = rules.gpu if rules.gpu.required and (rules.vram.uses_gpu_signal or restarted) else None
+    gpu_rules = rules.gpu if rules.gpu.required and rules.vram.uses_gpu_signal else None
+    # After an engine restart, whatever the headroom: the new process's first GPU reading, which
+    # measures its idle figure before anything is let in (``LaneWatch._measure_idle``), not the
+    # old process's memory.
+    restart, gpu = snap.engine_restarted_at, snap.gpu
+    # A source that reports when its figure last changed (a file) is confirmed by every good poll.
+    read_at = None if gpu is None else max(gpu.observed_at, snap.gpu_health.last_ok_at or gpu.observed_at)
+    if (
+        restart is not None
+        and rules.gpu.required
+        and rules.gpu.on_stale is not Action.ADMIT
+        and (read_at is None or read_at < restart)
+    ):
+        note = "gpu not read since the engine restarted"
+        return rules.gpu.on_stale, Reason.SIGNALS_STALE, Check(Reason.SIGNALS_STALE.value, False, note=note)
     for name, age, sr in (
         ("engine", snap.engine_age(s.now), rules.engine),
         ("gpu", snap.gpu_age(s.now), gpu_rules),

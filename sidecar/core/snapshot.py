@@ -125,6 +125,9 @@ class Snapshot:
     gpu: GpuSignals | None = None
     engine_health: SourceHealth = SourceHealth()
     gpu_health: SourceHealth = SourceHealth()
+    # When the shell last saw a new engine process (None: never). A GPU reading older than it saw the
+    # old process (its memory released, or not yet allocated): the decision waits for a newer one.
+    engine_restarted_at: float | None = None
 
     def engine_age(self, now: float) -> float | None:
         return None if self.engine is None else max(0.0, now - self.engine.observed_at)
