@@ -53,13 +53,18 @@ ROWS: list[tuple[str, str, str, tuple[str, ...] | None]] = [
 NOT_YET: list[str] = []
 
 
+def _rows(only: list[str] | None) -> list[tuple[str, str, str, tuple[str, ...] | None]]:
+    """The rows whose perturbation is in ``only`` (``--rows``), every row when None."""
+    return [r for r in ROWS if only is None or r[1] in only]
+
+
 def _scenarios(row: tuple[str, str, str, tuple[str, ...] | None], default: list[str]) -> list[str]:
     return list(row[3]) if row[3] is not None else default
 
 
-def tasks(scenarios: list[str], seeds: int) -> list[A.Task]:
+def tasks(scenarios: list[str], seeds: int, rows: list[str] | None = None) -> list[A.Task]:
     out: dict[A.Task, None] = {}
-    for row in ROWS:
+    for row in _rows(rows):
         for sc in _scenarios(row, scenarios):
             for i in range(seeds):
                 out[A.Task(sc, i, "default", row[1], "sidecar", lane_policy=True)] = None
@@ -73,13 +78,13 @@ def _goodput(r: dict[str, Any], span: float) -> float:
     return r["served_tokens"] / (span or 1.0)
 
 
-def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarise(rows: list[dict[str, Any]], only: list[str] | None = None) -> list[dict[str, Any]]:
     """One line per robustness row: crashes, the worst run against the oracle and against the
     unperturbed engine (same scenario and seed; the longer of the two spans, as in the study)."""
     by = {(r["scenario"], r["seed"], r["perturbation"], r["gate"]): r for r in rows}
     default = [sc for sc in dict.fromkeys(r["scenario"] for r in rows) if not _special(sc)]
     out = []
-    for row in ROWS:
+    for row in _rows(only):
         label, pert, klass, _ = row
         names = _scenarios(row, default)
         runs = [
@@ -165,15 +170,18 @@ def format_block(summary: list[dict[str, Any]], lines: list[tuple[bool, str]]) -
     return "\n".join(out)
 
 
-def run(scenarios: list[str], seeds: int, jobs: int) -> tuple[str, bool, list[dict[str, Any]]]:
-    """The block's table, whether every acceptance line holds, and its rows."""
-    todo = tasks(scenarios, seeds)
+def run(
+    scenarios: list[str], seeds: int, jobs: int, rows_only: list[str] | None = None
+) -> tuple[str, bool, list[dict[str, Any]]]:
+    """The block's table, whether every acceptance line holds, and its rows (``rows_only``: the
+    perturbations to run, every row when None)."""
+    todo = tasks(scenarios, seeds, rows_only)
     if jobs > 1:
         with ProcessPoolExecutor(jobs, initializer=A._quiet) as pool:
             rows = A.run_all(todo, pool, "robustness")
     else:
         rows = A.run_all(todo, None, "robustness")
-    summary = summarise(rows)
+    summary = summarise(rows, rows_only)
     lines = acceptance(summary)
     return format_block(summary, lines), all(ok for ok, _ in lines), rows
 
@@ -183,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--scenarios", nargs="*", default=SCENARIOS)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--rows", nargs="*", default=None, help="only these perturbations (e.g. upgrade1.10); default: all"
+    )
     args = ap.parse_args(argv)
     A._quiet()
-    text, ok, _ = run(args.scenarios, args.seeds, args.jobs)
+    text, ok, _ = run(args.scenarios, args.seeds, args.jobs, args.rows)
     print(text)
     return 0 if ok else 1
 

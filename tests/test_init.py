@@ -34,10 +34,10 @@ async def test_init_reads_the_lane_and_writes_a_policy_check_policy_accepts(tmp_
     out = tmp_path / "lane.yaml"
     async with EmulatorServer(build_emulator_app(model, 1.0, gpu)) as emu:
         await eventually(gpu.exists)
+        free = model.free_bytes()  # idle: init reads it before its probe (whose peak the allocator keeps)
         r = await init("--upstream", emu.url, "--gpu-source", f"file:{gpu}", "-o", str(out))
         assert r.returncode == 0, r.stderr
         again = await init("--upstream", emu.url, "--gpu-source", f"file:{gpu}", "-o", str(out))
-        free = model.free_bytes()
     assert again.returncode == 2 and "not overwritten" in again.stderr
     check = subprocess.run(
         [sys.executable, "-m", "sidecar", "check-policy", str(out)], capture_output=True, text=True, cwd=ROOT
@@ -81,3 +81,30 @@ async def test_a_busy_engine_gets_auto_and_an_unreachable_one_a_clear_error(tmp_
     )
     bad = await init("--upstream", "http://127.0.0.1:9", "--gpu-source", "cuda")
     assert bad.returncode == 1 and "--gpu-source" in bad.stderr
+
+
+async def test_init_derives_the_hold_bounds_from_the_lane_it_probes(tmp_path: Path) -> None:
+    """Issue 29, the dense lane (70B FP8 on an 80 GB card, a ~33K-token pool, 128K context): another
+    lane's assumed bounds (300 s, 128 held) parked requests for minutes. ``init`` times one cold
+    chunk-sized prefill and bounds a hold at two pools' worth of prefill at that rate."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import admission as bench
+
+    bounds = {}
+    for name in (bench.DENSE_H100, "maxq-old"):
+        profile = bench.profile_for(name)
+        gpu, out = tmp_path / f"{name}.json", tmp_path / f"{name}.yaml"
+        async with EmulatorServer(build_emulator_app(build_model(profile, seed=1), 1.0, gpu)) as emu:
+            await eventually(gpu.exists)
+            r = await init("--upstream", emu.url, "--gpu-source", f"file:{gpu}", "-o", str(out))
+        assert r.returncode == 0, r.stderr
+        assert "probing the prefill rate" in r.stderr
+        hold = load_policy_file(out).policy.hold
+        assert "probed: one" in out.read_text()
+        bounds[name] = (hold.max_wait_s, hold.max_held, hold.prefill_tokens_per_s, profile.kv_pool_tokens)
+    wait, held, rate, pool = bounds[bench.DENSE_H100]
+    # Two pools at the probed rate (an under-estimate: the probe's time holds a decode step too).
+    assert wait == max(10, -(-2 * pool // rate)) and wait < 60, bounds
+    assert held <= 16, bounds
+    # The outage lane's 522K-token pool holds more, and longer.
+    assert bounds["maxq-old"][0] > wait and bounds["maxq-old"][1] > held, bounds

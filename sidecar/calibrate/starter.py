@@ -19,7 +19,7 @@ import asyncio
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sidecar.policy.schema import PolicyError, load_policy_text
@@ -34,6 +34,16 @@ MiB = 1 << 20
 # proposes twice the worst one, at least 16 MiB): four times that floor, for an unmeasured lane.
 START_RESERVE_MIB = 64
 START_MARGIN = 1.25
+# Hold bounds from the lane (issue 29: another lane's "assumed" 300 s / 128 parked requests for minutes
+# on a dense lane with a ~33K-token pool). A held request waits at most for HOLD_POOLS pools' worth of
+# prefill at the rate the probe measured, and the queue holds that much work in chunk-sized requests;
+# clamped to what clients tolerate (HOLD_WAIT_BOUNDS_S) and to a sane queue (HOLD_HELD_BOUNDS).
+HOLD_POOLS = 2
+HOLD_WAIT_BOUNDS_S = (10, 300)
+HOLD_HELD_BOUNDS = (4, 128)
+# Until a probe measures it: the old default, good for a Retry-After hint only (serve refuses on the
+# expected wait only at a rate it measured: ``decide.expected_wait_s``).
+ASSUMED_PREFILL_TOKENS_PER_S = 20000
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,8 @@ class LaneReading:
     at: str
 
     pending_prefill_tokens: int | None
+    # Prefill tokens per second one cold chunk-sized probe took on the idle engine (None: not probed).
+    prefill_tokens_per_s: float | None = None
 
     @property
     def idle(self) -> bool:
@@ -123,6 +135,43 @@ async def read_lane(upstream: str, gpu_spec: str) -> LaneReading:
     )
 
 
+async def probe_prefill_rate(upstream: str, tokens: int) -> float | None:
+    """Prefill tokens per second of one cold prompt of ``tokens`` (the engine's chunk) on the idle
+    engine: ``POST /generate`` with ``input_ids`` and one new token, timed end to end. The time also
+    holds one decode step and the HTTP round trip, so the rate is an under-estimate: the hold bounds
+    it gives are on the short side. None when the engine does not answer 200."""
+    import random
+
+    import httpx
+
+    ids = [random.Random(tokens).randrange(1000, 30000) for _ in range(tokens)]  # no cached prefix
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": False}
+    try:
+        async with httpx.AsyncClient(timeout=600.0) as client:
+            started = time.perf_counter()
+            resp = await client.post(upstream.rstrip("/") + "/generate", json=body)
+            took = time.perf_counter() - started
+    except httpx.HTTPError:
+        return None
+    return tokens / took if resp.status_code == 200 and took > 0 else None
+
+
+def hold_bounds(r: LaneReading) -> tuple[int, int, int, str]:
+    """``max_wait_s``, ``max_held`` and ``prefill_tokens_per_s`` for this lane, and where they come
+    from: the pool (``kv_pool_tokens``, else the context) and the probed prefill rate."""
+    rate = r.prefill_tokens_per_s
+    pool = r.kv_pool_tokens or r.context_len
+    held = -(-HOLD_POOLS * pool // max(1, r.chunked_prefill_size))
+    held = min(HOLD_HELD_BOUNDS[1], max(HOLD_HELD_BOUNDS[0], held))
+    if rate is None:
+        rate_used, said = ASSUMED_PREFILL_TOKENS_PER_S, "assumed (no probe)"
+    else:
+        rate_used, said = rate, f"probed: one {r.chunked_prefill_size:,}-token cold prefill"
+    wait = -(-HOLD_POOLS * pool // max(1, round(rate_used)))
+    wait = min(HOLD_WAIT_BOUNDS_S[1], max(HOLD_WAIT_BOUNDS_S[0], wait))
+    return wait, held, max(1, round(rate_used)), said
+
+
 async def _server_arg(upstream: str, key: str) -> int | None:
     """One positive integer server argument from ``/server_info`` (None when absent or unset)."""
     import httpx
@@ -153,6 +202,8 @@ def starter_text(r: LaneReading, name: str) -> str:
         lane.append(f"  mamba_slots: {r.mamba_slots}  # {r.mamba_from}")
     if r.max_running_requests is not None:
         lane.append(f"  max_running_requests: {r.max_running_requests}  # /server_info max_running_requests")
+    wait, held, rate, rate_from = hold_bounds(r)
+    pool = r.kv_pool_tokens or r.context_len
     idle_source = f"{r.gpu_spec}, {r.devices} device(s), the one with least free memory"
     if r.idle:
         idle = f"  idle_free_bytes: {_mib(r.free_bytes)}  # measured now: {idle_source}, engine idle"
@@ -225,10 +276,10 @@ def starter_text(r: LaneReading, name: str) -> str:
         "  required: true  # serve needs --gpu-source",
         "",
         "hold:",
-        "  max_held: 64  # assumed: beyond it, queue_full",
-        "  max_wait_s: 300  # assumed: most clients time out within 5 minutes",
+        f"  max_held: {held}  # {HOLD_POOLS} pools of {pool:,} tokens in {r.chunked_prefill_size:,}-token requests; beyond it, queue_full",
+        f"  max_wait_s: {wait}  # {HOLD_POOLS} pools' prefill at the rate below (within {HOLD_WAIT_BOUNDS_S[0]}-{HOLD_WAIT_BOUNDS_S[1]} s); longer expected waits are refused at once",
         "  retry_after_max_s: 60  # long prefills take minutes",
-        "  prefill_tokens_per_s: 20000  # assumed; calibrate from sglang:realtime_tokens_total",
+        f"  prefill_tokens_per_s: {rate}  # {rate_from}; serve measures the lane's own from its prefills",
         "",
         "monitor:",
         "  raise_margin: true  # a GPU reading above the projection raises the margin, up to max_margin",
@@ -267,6 +318,11 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type = argparse.HelpF
         "-o", "--out", metavar="FILE", help="write here (default: standard output); never overwrites"
     )
     p.add_argument("--name", default=None, help="the policy's name (default: lane-<host>-<port>)")
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="do not time one chunk-sized prefill on the idle engine (the hold bounds then use an assumed rate)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -279,6 +335,14 @@ def main(args: argparse.Namespace) -> int:
     except CannotRead as e:
         print(f"sglang-sidecar init: {e}", file=sys.stderr)
         return EXIT_CANNOT_READ
+    if reading.idle and not args.no_probe:
+        # After the idle reading: the probe's allocations do not show in idle_free_bytes.
+        print(
+            f"sglang-sidecar init: probing the prefill rate: one {reading.chunked_prefill_size:,}-token prompt",
+            file=sys.stderr,
+        )
+        rate = asyncio.run(probe_prefill_rate(args.upstream, reading.chunked_prefill_size))
+        reading = replace(reading, prefill_tokens_per_s=rate)
     text = starter_text(reading, args.name or policy_name(args.upstream))
     try:
         load_policy_text(text, str(out or "<init>"))
