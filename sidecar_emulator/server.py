@@ -276,6 +276,7 @@ class Emulator:
         self._idle_since: float | None = None
         # The radix cache over token ids: (length, hash of the ids, the model's prefix key).
         self._id_prefixes: list[tuple[int, int, str]] = []
+        self._was_up = model.up
 
     # -- time
     def now(self) -> float:
@@ -360,6 +361,18 @@ class Emulator:
                 self._log_crash(event)
         if any(isinstance(e, Crashed) for e in events):
             self._on_crash()
+        elif self._was_up and not self.model.up:
+            # A planned restart onto a new build (``LaneProfile.upgrade_at_s``): the process goes away
+            # as on a crash (connections dropped, the port closed), though nothing ran out of memory.
+            logger.warning(
+                "engine stopped at engine time %.1f s for a planned restart onto build %s (back in %.0f s "
+                "of engine time)",
+                now,
+                self.model.profile.upgrade_version,
+                self.model.profile.upgrade_down_s,
+            )
+            self._on_crash()
+        self._was_up = self.model.up
         for event in events:
             if isinstance(event, Restarted):
                 self.frontend = FrontendMetrics()  # a new process: fresh counters

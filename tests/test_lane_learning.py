@@ -127,6 +127,7 @@ def test_the_state_file_keeps_the_margin_across_a_sidecar_restart_atomically(
     h = submit(a, ask(a, 3000, request_id="big"))
     h.end(Outcome.UPSTREAM_ERROR)
     a.engine_restarted("scheduler pid [1] -> [2]")
+    clock.advance(0.5)
     a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
     saved = json.loads(path.read_text())
     assert saved["margin"] == pytest.approx(4096 / 3000 * 1.05) and saved["crashes"] == 1

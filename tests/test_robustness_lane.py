@@ -194,3 +194,45 @@ async def test_a_crash_with_admitted_work_raises_the_margin_and_a_state_file_kee
         # Without it, the policy's own margin.
         fresh = SidecarApp(upstream=emu.url, policy=crash_policy(1.0), gpu_source=None)
         assert fresh.admission.rules.cost.margin == 1.0
+
+
+async def test_a_planned_upgrade_is_ridden_through_and_the_new_build_is_priced_conservatively(
+    tmp_path: Path,
+) -> None:
+    """The engine restarts onto a new build (the emulator's planned upgrade; its ``/server_info``
+    ``version`` changes as SGLang's does, evidence RB1). Under ``engine.on_stale: hold`` a request
+    that arrives while it is down is held and served when it is back; the restart is no crash; the
+    new process's idle figure is measured before anything is let in; the new build is conservative."""
+    profile = get_profile("maxq-old").replace(upgrade_at_s=40.0, upgrade_down_s=60.0)  # 2 s, then 3 s wall
+    model = build_model(profile, seed=1)
+    gpu_file = tmp_path / "gpu.json"
+    async with EmulatorServer(build_emulator_app(model, SPEED, gpu_file)) as emu:
+        app = SidecarApp(
+            upstream=emu.url,
+            policy=loaded(POLICY.read_text()),
+            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+            trust_emulator_sizes=True,
+        )
+        async with serve_both(app) as url, aiohttp.ClientSession() as session:
+            a = app.admission
+            await eventually(lambda: a.watch.build == "0.5.23" and a.watch.idle is not None)
+            limit = a.rules.engine.unavailable_after_failures
+            await eventually(lambda: a.snapshot.engine_health.consecutive_failures >= limit, timeout=30)
+            body = {
+                "text": "x",
+                "stream": False,
+                "sampling_params": {"max_new_tokens": 4},
+                "emulator": {"prompt_tokens": 2000},
+            }
+            sent = asyncio.ensure_future(session.post(url + "/generate", json=body))
+            await eventually(lambda: a.held == 1)  # held, not 503: the engine is restarting
+            resp = await asyncio.wait_for(sent, 30)
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-admission-decision"] == "admit"
+            info = await (await session.get(emu.url + "/server_info")).json()
+            assert info["version"] == "0.5.24"
+            state = await (await session.get(url.admin + "/admission/state")).json()
+    assert state["engine_build"]["version"] == "0.5.24" and state["engine_build"]["conservative"]
+    assert state["crashes"]["count"] == 0
+    # The new process's idle figure, measured before the held request was let in.
+    assert state["idle_free"]["engine_restarts"] == 1 and state["idle_free"]["after_traffic"] is False

@@ -301,6 +301,11 @@ class LaneWatch:
         # When the latest restart was noticed: a GPU reading older than it saw the engine down (its
         # memory released), never its idle figure.
         self._restarted_at = -math.inf
+        # The latest engine report seen, and the last one of the process before the latest restart: a
+        # report newer than that is the new process's (the one that showed the restart may be read a
+        # hair before the restart was noticed).
+        self._last_report_at = -math.inf
+        self._old_report_at = -math.inf
         self.upgrades = 0  # restarts onto another build with work admitted (not crashes)
         self.crashes = 0
         self.last_crash: Crash | None = None
@@ -378,6 +383,7 @@ class LaneWatch:
             # upgrade from a crash.
             self._restart = (now, why, evidence)
         self._restarted_at = now
+        self._old_report_at = self._last_report_at
         self._served_raw = 0
         self.engine_restarts += 1
         had = self.idle
@@ -409,7 +415,7 @@ class LaneWatch:
         version = None
         if snap is not None:
             e = snap.engine
-            if e is None or e.observed_at < at or snap.engine_health.consecutive_failures:
+            if e is None or e.observed_at <= self._old_report_at or snap.engine_health.consecutive_failures:
                 return False  # not the new process's report yet
             version = e.version
         self._restart = None
@@ -592,6 +598,8 @@ class LaneWatch:
         compared at the next snapshot, with the next engine report."""
         changed = self._read_restart(snap)
         changed = self._measure_idle(snap, rules, now) or changed
+        if snap.engine is not None and not snap.engine_health.consecutive_failures:
+            self._last_report_at = max(self._last_report_at, snap.engine.observed_at)
         changed = self._see_build(snap) or changed
         changed = self._compare_facts(snap) or changed
         self._transient_cap = rules.vram.transient_cap()
@@ -701,11 +709,19 @@ class LaneWatch:
             and snap.engine_health.consecutive_failures == 0
             and e.running_requests == 0
             and e.queue_requests == 0
-            and min(e.observed_at, g.observed_at) >= max(self._last_activity, self._restarted_at)
+            and min(e.observed_at, g.observed_at) >= self._last_activity
+            and e.observed_at > self._old_report_at  # the new process's report
+            # The GPU read after the restart was seen (as the decision waits for it: a source that
+            # reports when its figure last changed, a file, is confirmed by every good poll).
+            and max(g.observed_at, snap.gpu_health.last_ok_at or g.observed_at) >= self._restarted_at
             and now - e.observed_at <= rules.engine.max_age_s
             and now - g.observed_at <= rules.gpu.max_age_s
         )
         if not idle or (self.idle is not None and g.free_bytes <= self.idle.free_bytes):
+            return False
+        if self.idle is not None and e.observed_at < g.observed_at:
+            # Raising a figure: only on a GPU reading the engine answered after. An engine that just
+            # went away (a restart, a crash) has released its memory: that reading is not its idle.
             return False
         first = self.idle is None
         devices = tuple(DeviceBaseline(d.ident, d.free_bytes, d.other_process_bytes) for d in g.devices)

@@ -825,6 +825,10 @@ class EngineScraper:
             # The same scheduler pids as before the failure: the same process, only a lost scrape.
             same = bool(pids) and pids == self._pids
             self._engine_changed("it answered again after a failed scrape", new_process=not same)
+            if not same:
+                # A new process: the old one's pids are no fingerprint of it (a fresh server publishes
+                # its pid-labelled gauges only later, and that is no second restart).
+                self._pids = frozenset()
         elif self._pids and pids and pids != self._pids:
             self._engine_changed(f"scheduler pid {sorted(self._pids)} -> {sorted(pids)}")
         elif self._pool is not None and pool is not None and pool != self._pool:
