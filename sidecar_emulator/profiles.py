@@ -140,7 +140,7 @@ class LaneProfile:
     # the page cache, not the 774 s crash recovery of evidence I6).
     upgrade_down_s: float = 60.0
     # The version the new build reports (``/server_info`` and ``/v1/loads`` ``version``: SGLang's
-    # ``get_server_info`` returns ``"version": __version__``, evidence RB2), so a sidecar sees the build change.
+    # ``get_server_info`` returns ``"version": __version__``, evidence RB1), so a sidecar sees the build change.
     upgrade_version: str = "0.5.24"
 
     # --- tensor parallelism --------------------------------------------------------------------

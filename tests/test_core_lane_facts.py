@@ -111,9 +111,11 @@ def test_a_policy_claiming_more_idle_free_memory_than_measured_gets_the_measured
     assert not any(f.disagrees or f.unsafe for f in close)
     bounded = lane_facts.in_force(r, lane_facts.overrides(close))
     assert bounded.vram.idle_free_bytes == 1953 * MIB
-    assert headroom_bytes(r, snapshot(NOW), LedgerTotals()) - headroom_bytes(
-        bounded, snapshot(NOW), LedgerTotals()
-    ) == 40 * MIB
+    assert (
+        headroom_bytes(r, snapshot(NOW), LedgerTotals())
+        - headroom_bytes(bounded, snapshot(NOW), LedgerTotals())
+        == 40 * MIB
+    )
     # The same figure measured: nothing overridden, the policy's own rules.
     same = lane_facts.compare(r, None, 1993 * MIB, None, idle_free_policy=1993 * MIB)
     assert lane_facts.overrides(same) == () and lane_facts.in_force(r, ()) is r

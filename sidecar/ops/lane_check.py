@@ -75,7 +75,9 @@ def render(found: tuple[Fact, ...]) -> list[str]:
             return f"{v / 2**20:,.0f} MiB" if unit == "MiB" else f"{v:,} {unit}"
 
         if not f.disagrees:
-            within = "" if f.in_force == f.policy else f" (within the tolerance; serve uses {show(f.in_force)})"
+            within = (
+                "" if f.in_force == f.policy else f" (within the tolerance; serve uses {show(f.in_force)})"
+            )
             lines.append(f"  {f.name}: policy {show(f.policy)}, lane {show(f.measured)}: agree{within}")
             continue
         if f.in_force is None:

@@ -299,7 +299,13 @@ def _on_stale(policy: Policy) -> dict[str, str]:
     e, g = policy.engine, policy.gpu
     out = {
         "engine": f"older than {e.max_age_s:g} s (polled every {e.poll_interval_s:g} s{_sooner(e)}): "
-        f"{_blind(e, policy)}; after {e.unavailable_after_failures} failed reads in a row: 503 engine_unavailable",
+        f"{_blind(e, policy)}; after {e.unavailable_after_failures} failed reads in a row: "
+        + (
+            f"engine_unavailable, requests are held (a restart ridden through) up to {policy.hold.max_wait_s:g} s, "
+            "then 503 hold_timeout"
+            if e.on_stale is Action.HOLD
+            else "503 engine_unavailable"
+        ),
     }
     blind = f"older than {g.max_age_s:g} s (polled every {g.poll_interval_s:g} s): {_blind(g, policy)}"
     if policy.vram.headroom is HeadroomSource.IDLE_BUDGET:
