@@ -146,6 +146,20 @@ def test_engine_unavailable_after_the_configured_failures() -> None:
     assert judge(r, ask(r, 10), silent).checks[0].note == "engine unreachable"
 
 
+def test_after_an_engine_restart_a_holding_policy_waits_for_a_newer_gpu_reading() -> None:
+    """The GPU reading before the restart saw the old process: whatever the headroom, a policy that
+    holds when blind waits one GPU poll for the new process's reading; one that rejects does not
+    turn that gap into refusals."""
+    for r in (rules(), rules(vram__headroom="idle_budget", vram__idle_free_bytes=10 * MIB)):
+        restarted = replace(snapshot(NOW), engine_restarted_at=NOW + 0.01)  # the GPU read at NOW
+        d = judge(r, ask(r, 10), restarted)
+        assert (d.action, d.reason) == (Action.HOLD, Reason.SIGNALS_STALE)
+        assert d.checks[0].note == "gpu not read since the engine restarted"
+        assert judge(r, ask(r, 10), replace(snapshot(NOW), engine_restarted_at=NOW)).admitted
+    r = rules(gpu__on_stale="reject")
+    assert judge(r, ask(r, 10), replace(snapshot(NOW), engine_restarted_at=NOW + 0.01)).admitted
+
+
 def test_stale_signals_say_which_and_how_old() -> None:
     r = rules()
     fresh_gpu = snapshot(NOW).gpu

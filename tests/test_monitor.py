@@ -106,9 +106,11 @@ def test_auto_idle_free_is_measured_again_after_an_engine_restart(clock: ManualC
     submit(a, ask(a, 1000)).end(Outcome.COMPLETED)
     a.watch.engine_restarted(clock.t, "scheduler pid changed")
     assert a.watch.idle is None and a.watch.engine_restarts == 1
+    clock.advance(0.1)  # the new process's report, and a GPU reading after the restart
     a.update_snapshot(snapshot(clock.t, free_bytes=5 * GIB))  # engine_restarted does not reprice
     assert a.rules.vram.idle_free_bytes == 5 * GIB and not a.watch.idle.after_traffic  # type: ignore[union-attr]
     a.watch.engine_restarted(clock.t)
+    clock.advance(0.1)
     a.update_snapshot(snapshot(clock.t, free_bytes=7 * GIB))
     assert a.rules.vram.idle_free_bytes == 7 * GIB
 

@@ -356,16 +356,17 @@ def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:
         action = Action.HOLD if rules.engine.on_stale is Action.HOLD else Action.REJECT
         return action, Reason.ENGINE_UNAVAILABLE, Check(Reason.ENGINE_UNAVAILABLE.value, False, note=note)
     gpu_rules = rules.gpu if rules.gpu.required and rules.vram.uses_gpu_signal else None
-    # After an engine restart, whatever the headroom: the new process's first GPU reading, which
-    # measures its idle figure before anything is let in (``LaneWatch._measure_idle``), not the
-    # old process's memory.
+    # After an engine restart, whatever the headroom, a policy that holds when blind waits for the new
+    # process's first GPU reading (one poll), which measures its idle figure before anything is let
+    # in (``LaneWatch._measure_idle``), not the old process's memory. One that rejects does not turn
+    # that sub-second gap into refusals: the reading it has is at most one poll old.
     restart, gpu = snap.engine_restarted_at, snap.gpu
     # A source that reports when its figure last changed (a file) is confirmed by every good poll.
     read_at = None if gpu is None else max(gpu.observed_at, snap.gpu_health.last_ok_at or gpu.observed_at)
     if (
         restart is not None
         and rules.gpu.required
-        and rules.gpu.on_stale is not Action.ADMIT
+        and rules.gpu.on_stale is Action.HOLD
         and (read_at is None or read_at < restart)
     ):
         note = "gpu not read since the engine restarted"
