@@ -229,7 +229,7 @@ def test_unknown_gauges_are_not_zero() -> None:
 
 
 def test_engine_unavailable_rejects() -> None:
-    policy = small_policy().policy
+    policy = small_policy(engine__on_stale="reject").policy  # ``hold`` holds: test_core
     from dataclasses import replace
 
     snap = replace(snapshot(NOW), engine_health=SourceHealth(NOW - 10, "connection refused", 3))

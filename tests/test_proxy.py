@@ -148,7 +148,12 @@ async def test_burst_admits_exactly_n_through_the_proxy(tmp_path: Path) -> None:
 
 async def test_upstream_down_gives_clear_503(tmp_path: Path) -> None:
     async with (
-        lane(tmp_path, FakeEngine(), upstream="http://127.0.0.1:9") as (url, app, _),
+        # ``engine.on_stale: reject``: 503 at once (``hold`` rides a restart through instead).
+        lane(tmp_path, FakeEngine(), upstream="http://127.0.0.1:9", engine__on_stale="reject") as (
+            url,
+            app,
+            _,
+        ),
         httpx.AsyncClient(timeout=10) as client,
     ):
         r = await client.get(url + "/v1/models")

@@ -84,7 +84,7 @@ async def test_admin_on_data_port_keeps_the_old_layout_without_paths_or_addresse
 async def test_no_answer_on_the_data_port_names_the_engine_address(tmp_path: Path) -> None:
     down = "127.0.0.1:9"  # discard: nothing listens
     async with (
-        lane(tmp_path, FakeEngine(), upstream=f"http://{down}") as (url, app, _),
+        lane(tmp_path, FakeEngine(), upstream=f"http://{down}", engine__on_stale="reject") as (url, app, _),
         httpx.AsyncClient(timeout=10) as client,
     ):
         passed = await client.get(url + "/v1/models")  # the proxy's own answer for an unreachable engine
