@@ -144,7 +144,8 @@ async def probe_prefill_rate(upstream: str, tokens: int) -> float | None:
 
     import httpx
 
-    ids = [random.Random(tokens).randrange(1000, 30000) for _ in range(tokens)]  # no cached prefix
+    rng = random.Random()  # fresh ids each run: no radix-cache hit on an earlier probe's prefix
+    ids = [rng.randrange(1000, 30000) for _ in range(tokens)]
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": False}
     try:
         async with httpx.AsyncClient(timeout=600.0) as client:
