@@ -809,15 +809,23 @@ class LaneWatch:
         )
         return None if self.bracket is None else self.bracket[1]
 
-    def _confirm(self, observed: int, projected: int, projected_with: float, requests: int) -> bool:
+    def _confirm(
+        self, observed: int, projected: int, projected_with: float, requests: int, upper: float | None
+    ) -> bool:
         """While a new build is unconfirmed, a reading that shows a new peak of what the lane draws for
-        admitted work: within the learned margin (and the monitor's tolerance), the fit is confirmed and
-        the lane leaves the conservative state; beyond it, the learned margin is set from what it drew
-        (``raised_margin``) and it leaves it too (measured, no longer assumed). True: the rules changed."""
+        admitted work. It bounds the draw (a multiple of the cost terms) from below, ``observed / terms``:
+        the projection may hold bytes the engine never drew (a full chunk priced where its last chunk was
+        shorter), so the draw may be larger. Only a bound from above confirms the fit: ``upper``, what the
+        readings of one prefill alone allow (``draw_bracket``; where the projection has nothing the engine
+        may not draw, the two bounds meet). Within the learned margin (and the monitor's tolerance) the
+        lane leaves the conservative state. A lower bound beyond the margin raises it (``raised_margin``,
+        to at least ``upper`` where there is one), and the raised margin is confirmed where it covers
+        ``upper``; a lower bound within the margin says nothing (issue 29: a reading at x1.048 of terms
+        that priced a full last chunk confirmed a build drawing x1.10). True: the rules changed."""
         if self.conservative is None or projected <= 0 or projected_with <= 0:
             return False
         terms = projected / projected_with
-        drew = observed / terms  # the multiple of the cost terms the lane drew
+        drew = observed / terms  # at least what the lane drew, as a multiple of the cost terms
         m = self._own.monitor
         # Only a reading that could show the change the state guards against confirms anything: the
         # safety's share of this projection beyond what the monitor tolerates (a small prompt cannot).
@@ -826,20 +834,37 @@ class LaneWatch:
             m.min_bytes, m.allocator_block_bytes * requests, expected * m.tolerance
         ):
             return False
-        within = excess(observed, round(terms * self.margin), m, requests) is None
         before = self.margin
-        if not within:
-            self.margin = raised_margin(self.margin, 1.0, self._own.cost.margin, drew, m, self._ceiling())
-        why, self.conservative = self.conservative, None
+        if excess(observed, round(expected), m, requests) is not None:
+            self.margin = raised_margin(
+                self.margin, 1.0, self._own.cost.margin, drew, m, self._ceiling(), upper
+            )
+        confirmed = (
+            upper is not None
+            and excess(round(terms * upper), round(terms * self.margin), m, requests) is None
+        )
+        if not confirmed and self.margin == before:
+            return False  # a lower bound within the margin: nothing learnt
+        why = self.conservative
+        if confirmed:
+            self.conservative = None
         log.warning(
-            "%s: %s (the lane drew x%.3f of its cost terms); margin %.3f -> %.3f",
+            "%s: %s (the lane drew x%.3f of its cost terms, at most %s); margin %.3f -> %.3f",
             why,
-            "fit confirmed" if within else "fit re-measured",
+            ("fit confirmed" if self.margin == before else "fit re-measured")
+            if confirmed
+            else "margin raised, fit not confirmed (no reading bounds the draw from above within it)",
             drew,
+            "unbounded" if upper is None else f"x{upper:.3f}",
             before,
             self.margin,
             extra={
-                "fields": {"event": "engine_build_confirmed", "drew": round(drew, 4), "margin": self.margin}
+                "fields": {
+                    "event": "engine_build_confirmed" if confirmed else "engine_build_margin_raised",
+                    "drew": round(drew, 4),
+                    "upper": None if upper is None else round(upper, 4),
+                    "margin": self.margin,
+                }
             },
         )
         self.on_learned()
@@ -945,8 +970,8 @@ class LaneWatch:
         # in flight (those that ran since the idle figure ended, their peaks in the allocator's
         # cache). A reading mid-prefill shows part of a peak: below the projection, it confirms nothing.
         shows_peaks = free < low and not self._raw
-        confirmed = shows_peaks and self._confirm(observed, projected, projected_with, requests)
         upper = self._bracket(observed, projected, projected_with, in_flight is not None and len(ids) == 1)
+        confirmed = shows_peaks and self._confirm(observed, projected, projected_with, requests, upper)
         cover = self.covered
         if cover is not None and projected:
             # The cost terms (at most the bytes over the smallest margin they were priced with) times
