@@ -188,6 +188,41 @@ def test_a_new_build_that_draws_more_sets_the_margin_from_what_it_drew(clock: Ma
     h.end(Outcome.COMPLETED)
 
 
+def test_a_reading_that_bounds_the_draw_only_from_below_does_not_confirm_a_new_build(
+    clock: ManualClock,
+) -> None:
+    """Issue 29: a 88,108-token prompt's final peak was priced as a full 8,192-token chunk at its whole
+    context, while its last chunk was 6,188 tokens: the reading showed x1.048 of those terms on a build
+    drawing x1.10, confirmed the learned margin 1.05, and the next batch join (x1.10) crashed the lane.
+    Such a reading bounds the draw from below only; the one that confirms bounds it from above."""
+    # 1 MiB per chunk token, 100 KiB per context token, chunks of 1,000 tokens: a prompt's final peak
+    # may run a chunk's context (97.7 MiB) ahead of what the engine drew (``chunk_growth``).
+    a = lane(clock, cost__context_bytes_per_token="100KiB", lane__chunked_prefill_size=1000)
+    clock.advance(1.0)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.24"), clock.t, 4 * GIB))
+    assert a.watch.conservative is not None
+    # 2,500 tokens: priced as a full chunk at the whole context, 1,000 + 244 MiB of terms; the engine's
+    # peak may be the full chunk before the last one, at 2,000 tokens of context (1,195 MiB).
+    h = submit(a, ask(a, 2500, request_id="r1"))
+    h.prefill_done()
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 1230 * MIB))  # x0.989 of the terms, x1.073 at most
+    lo, hi = a.watch.bracket or (0.0, 0.0)
+    assert lo < 1.0 < hi
+    assert a.watch.conservative is not None, "a lower bound within the margin confirmed the new build"
+    assert a.rules.cost.margin == pytest.approx(1.0 + NEW_BUILD_SAFETY)
+    h.end(Outcome.COMPLETED)
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 1230 * MIB))  # r1 gone: the next one alone
+    # A larger prompt that draws well under its terms: bounded from above within the margin, confirmed.
+    h = submit(a, ask(a, 3500, request_id="r2"))  # 1,000 + 342 MiB of terms
+    h.prefill_done()
+    clock.advance(0.1)
+    a.update_snapshot(gpu(a.snapshot, clock.t, 4 * GIB - 1240 * MIB))  # a new low, x0.997 at most
+    assert a.watch.conservative is None and a.rules.cost.margin == 1.0
+    h.end(Outcome.COMPLETED)
+
+
 # -- the monitor in proportion ---------------------------------------------------------------------------
 
 
