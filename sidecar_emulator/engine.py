@@ -478,9 +478,14 @@ class EngineModel:
         free = oom.free_bytes if oom else None
         self._events.append(Crashed(t, reason, requested, free, failed))
         self.crashes.append(CrashInfo(t, reason, requested, free, live))
+        self._go_down(t + self.profile.restart_s)
+
+    def _go_down(self, until: float) -> None:
+        """The process is gone until ``until`` (a crash, a planned restart): its memory released,
+        nothing scheduled, every request forgotten (the caller has failed them)."""
         self._device.crash()
         self._up = False
-        self._down_until = t + self.profile.restart_s
+        self._down_until = until
         self._step = None
         self._requests = {}
         self._waiting = []
@@ -540,16 +545,8 @@ class EngineModel:
         self._flush_all_tokens()
         for rid in tuple(self._requests):
             self._events.append(Failed(rid, t, "engine restarting: new build", None))
-        self._device.crash()
         self._upgraded = True
-        self._up = False
-        self._down_until = t + self.profile.upgrade_down_s
-        self._step = None
-        self._requests = {}
-        self._waiting = []
-        self._running = []
-        self._chunked = None
-        self._dirty = set()
+        self._go_down(t + self.profile.upgrade_down_s)
 
     def _next_idle_publish(self) -> float | None:
         if not self._up or self._step is not None:
