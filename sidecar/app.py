@@ -282,6 +282,7 @@ class SidecarApp:
         # While the gate is idle the signals are read less often; a request's arrival wakes the pollers.
         self.scraper.idle = self.admission.quiet
         if self.gpu_poller is not None:
+            self.gpu_poller.sooner = self._sooner()
             self.gpu_poller.idle = self.admission.quiet
         self._idle_intervals()
         self.admission.on_busy = self._report_wanted

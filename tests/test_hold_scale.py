@@ -118,35 +118,43 @@ async def test_hundreds_held_are_all_answered_and_the_probes_answer_while_they_w
 async def test_a_quiet_sidecar_reads_the_engine_again_when_a_request_arrives(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While idle the engine is read every IDLE_ENGINE_POLL_S (here ten minutes): the read that follows
-    a request's arrival is the one its intake asked for, not the idle poll's."""
+    """While idle the engine is read every IDLE_ENGINE_POLL_S and the GPU every IDLE_GPU_POLL_S (here
+    ten minutes each): the reads that follow a request's arrival are the ones its intake asked for,
+    not the idle polls'."""
     monkeypatch.setattr(sidecar.app, "IDLE_ENGINE_POLL_S", 600.0)
+    monkeypatch.setattr(sidecar.app, "IDLE_GPU_POLL_S", 600.0)
     gpu = tmp_path / "gpu.json"
     gpu.write_text(json.dumps({"free_bytes": 60 * GIB, "total_bytes": 80 * GIB}))
-    policy = small_policy(engine__poll_interval_s=0.05, engine__max_age_s=1200, gpu__max_age_s=60)
+    policy = small_policy(
+        engine__poll_interval_s=0.05, engine__max_age_s=1200, gpu__poll_interval_s=0.05, gpu__max_age_s=1200
+    )
     async with contextlib.AsyncExitStack() as stack:
         up = await stack.enter_async_context(serve_app(upstream_app))
         app = SidecarApp(upstream=up, policy=policy, gpu_source=parse_gpu_source(f"file:{gpu}"))
-        # What the engine poller itself was last told before it began a wait (the GPU poller asks too).
-        told: list[bool] = []
+        # What each poller itself was last told before it began a wait.
+        told: dict[str, list[bool]] = {"engine-scraper": [], "gpu-poller": []}
         quiet = app.admission.quiet
 
         def engine_told() -> bool:
             said = quiet()
             task = asyncio.current_task()
-            if task is not None and task.get_name() == "engine-scraper":
-                told.append(said)
+            if task is not None and task.get_name() in told:
+                told[task.get_name()].append(said)
             return said
 
         app.admission.quiet = engine_told  # type: ignore[method-assign]
         url = await stack.enter_async_context(serve_app(app, limits=ServingLimits()))
         assert app.scraper is not None and app.scraper.idle_interval_s == 600.0
-        await eventually(lambda: bool(told) and told[-1])
-        # It is waiting out ten minutes now: its last read was reported before that wait began.
+        assert app.gpu_poller is not None and app.gpu_poller.idle_interval_s == 600.0
+        await eventually(lambda: all(t and t[-1] for t in told.values()))
+        # Both are waiting out ten minutes now: their last reads were reported before those waits began.
         engine = app.admission.snapshot.engine
         assert engine is not None
         read_at = engine.observed_at
+        gpu_read_at = app.admission.snapshot.gpu_health.last_ok_at
+        assert gpu_read_at is not None
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             r = await client.post("/generate", content=BODY, headers={"content-type": "application/json"})
         assert r.status_code == 200
         await eventually(lambda: app.admission.snapshot.engine.observed_at > read_at)  # type: ignore[union-attr]
+        await eventually(lambda: (app.admission.snapshot.gpu_health.last_ok_at or 0) > gpu_read_at)
