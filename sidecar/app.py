@@ -92,8 +92,9 @@ class SidecarApp:
         register_process_metrics(self.registry)
         self.admission = Admission(policy, LoopClock(clock), shadow=mode_shadow, observer=self.telemetry)
         if state_file is not None:
-            # What earlier runs learned (margins, the engine build), kept as it changes (ops/learned_file).
-            learned_file.keep(state_file, self.admission.watch)
+            # What earlier runs learned (margins, the engine build, an unconfirmed build and since when),
+            # kept as it changes (ops/learned_file); a file it cannot use raises StateFileError.
+            learned_file.keep(state_file, self.admission.watch, clock)
             self.admission.refresh_rules()  # the rules in force with what was restored
         self._context_cache: tuple[Any, ...] | None = None
         self.telemetry.context = self._log_context

@@ -27,7 +27,8 @@ from sidecar.settings import EXIT_NOT_STARTED, EXIT_USAGE
 EXIT_STATUS = (
     "exit status: 0 done (serve: stopped by SIGTERM after its drain; check-policy: valid); "
     "1 the check failed (wait: not ready in time; demo: the gated engine crashed); "
-    "2 usage: an invalid flag, environment variable, policy (file:line: field: problem) or GPU source; "
+    "2 usage: an invalid flag, environment variable, policy (file:line: field: problem), GPU source or "
+    "state file; "
     "3 valid but not started or nothing to show (serve: the GPU source cannot be read or a port is "
     "taken, the reason logged in --log-format; calibrate: nothing proposed); "
     "141 the reader of standard output left (a closed pipe)."
@@ -53,7 +54,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "reopens --decision-log (after logrotate renamed it). SIGTERM drains: /readyz says 503 draining, in-flight requests finish, then the listener closes. A second "
         "SIGTERM exits at once.\n"
         "Exit status: 0 stopped by SIGTERM after the drain; 2 invalid flags, environment, policy, GPU source "
-        "spec or token file (nothing started); 3 could not start: the GPU source cannot be read, or a port "
+        "spec, token file or state file (nothing started); 3 could not start: the GPU source cannot be read, or a port "
         "is taken (the reason is logged, in --log-format, with event=startup_failed).",
     )
     for name, field in Settings.model_fields.items():
@@ -412,27 +413,31 @@ def _serve_with(settings: Any) -> int:
         except OSError as e:
             return _not_started(f"--decision-log: cannot open {settings.decision_log}: {e.strerror or e}")
     from sidecar.app import SidecarApp
+    from sidecar.ops.learned_file import StateFileError
     from sidecar.ops.telemetry import sidecar_version
 
-    app = SidecarApp(
-        upstream=settings.upstream,
-        policy=loaded,
-        gpu_source=gpu,
-        mode_shadow=settings.mode.value == "shadow",
-        admin_token=token,
-        policy_path=str(settings.policy),
-        decision_log=decision_log,
-        max_connections=settings.max_connections,
-        connect_timeout_s=settings.upstream_connect_timeout_s,
-        read_timeout_s=settings.upstream_read_timeout_s,
-        upstream_client=settings.upstream_client,
-        trust_emulator_sizes=settings.trust_emulator_sizes,
-        state_file=settings.state_file,
-        admin_on_data_port=settings.admin_on_data_port,
-        host_check=settings.host_check(),
-        admin_host_check=settings.admin_host_check(),
-        policy_watch_s=settings.policy_watch_s,
-    )
+    try:
+        app = SidecarApp(
+            upstream=settings.upstream,
+            policy=loaded,
+            gpu_source=gpu,
+            mode_shadow=settings.mode.value == "shadow",
+            admin_token=token,
+            policy_path=str(settings.policy),
+            decision_log=decision_log,
+            max_connections=settings.max_connections,
+            connect_timeout_s=settings.upstream_connect_timeout_s,
+            read_timeout_s=settings.upstream_read_timeout_s,
+            upstream_client=settings.upstream_client,
+            trust_emulator_sizes=settings.trust_emulator_sizes,
+            state_file=settings.state_file,
+            admin_on_data_port=settings.admin_on_data_port,
+            host_check=settings.host_check(),
+            admin_host_check=settings.admin_host_check(),
+            policy_watch_s=settings.policy_watch_s,
+        )
+    except StateFileError as e:  # serve --state-file: a file it cannot restore from (file: field: problem)
+        return _not_started(str(e))
     logging.getLogger("sidecar").info(
         "sglang-sidecar %s starting: upstream %s, listen %s, admin %s, policy %s (sha256 %s), mode %s, "
         "gpu source %s",

@@ -128,8 +128,9 @@ class Settings(BaseSettings):
     )
     state_file: Path | None = _opt(
         None,
-        help="keep what the lane taught (the margin a crash or the monitor set, the engine build) in this "
-        "JSON file across sidecar restarts; written atomically as it changes (docs/robustness.md)",
+        help="keep what the lane taught (the margin a crash or the monitor set, the engine build, an "
+        "unconfirmed build and since when) in this JSON file across sidecar restarts; written atomically "
+        "as it changes; a file it cannot use stops the start (docs/robustness.md)",
         metavar="FILE",
     )
     log_level: Literal["debug", "info", "warning", "error"] = _opt(

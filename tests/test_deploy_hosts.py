@@ -91,6 +91,14 @@ def test_compose_wires_the_lane_with_the_repositorys_files(tmp_path: Path) -> No
     assert jobs(DOCKER / "prometheus.yml") == jobs(ROOT / "deploy" / "prometheus" / "prometheus.yml")
 
 
+def test_compose_engine_empties_its_allocator_cache_while_idle() -> None:
+    """As the Kubernetes overlays (tests/test_deploy_kubernetes.py, evidence RF1, RF2)."""
+    engine = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["sglang"]
+    assert engine["image"] == "lmsysorg/sglang:v0.5.4"
+    assert "--sleep-on-idle" in engine["command"].split()
+    assert float(engine["environment"]["SGLANG_EMPTY_CACHE_INTERVAL"]) > 0
+
+
 def test_descriptor_limits_cover_the_connection_limits() -> None:
     """Each client connection and each pooled upstream one is a descriptor: the unit's and the compose
     service's open-file limits stay above the sidecar's own connection caps (one line each)."""

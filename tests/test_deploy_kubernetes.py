@@ -228,3 +228,35 @@ def test_the_monitoring_kustomization_is_the_alert_rules(tmp_path: Path) -> None
     # A wrong type is caught (the check is looking).
     rule["spec"]["groups"][0]["rules"][0]["for"] = 120
     assert crd_check(docs).returncode == 1
+
+
+# The SGLang release the deploy files pin: --sleep-on-idle and SGLANG_EMPTY_CACHE_INTERVAL were read in
+# it (docs/evidence.md RF1, RF2). Another image means reading that release again.
+SGLANG_IMAGE = "lmsysorg/sglang:v0.5.4"
+
+
+def evidence_row(rid: str) -> str:
+    text = (ROOT / "docs" / "evidence.md").read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith(f'| <a id="{rid}"></a>{rid} |')]
+    return row
+
+
+def test_the_pinned_sglang_release_is_the_one_the_evidence_was_read_in() -> None:
+    tag = SGLANG_IMAGE.rsplit(":v", 1)[1]
+    section = (ROOT / "docs" / "evidence.md").read_text().split("(RF)")[1]
+    assert f"`{SGLANG_IMAGE}`" in section and f"sglang-{tag}-py3-none-any.whl" in section
+    assert "`--sleep-on-idle`" in evidence_row("RF1") and "SGLANG_EMPTY_CACHE_INTERVAL" in evidence_row("RF2")
+    assert SGLANG_IMAGE in (K8S / "base" / "deployment.yaml").read_text()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_the_engine_empties_its_allocator_cache_while_idle(overlay: Path) -> None:
+    """calibrate reads each probe's last chunk over an emptied cache (docs/calibrate.md): SGLang empties
+    it while idle only with both settings (evidence RF1, RF2). An overlay's args replace the base's, so
+    each lane must keep the flag."""
+    (engine,) = pod_of(render(overlay))["containers"]
+    assert engine["image"] == SGLANG_IMAGE
+    assert "--sleep-on-idle" in engine["args"]
+    env = {e["name"]: e["value"] for e in engine["env"]}
+    assert float(env["SGLANG_EMPTY_CACHE_INTERVAL"]) > 0
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

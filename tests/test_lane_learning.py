@@ -142,10 +142,122 @@ def test_the_state_file_keeps_the_margin_across_a_sidecar_restart_atomically(
     said = learned_file.restore(path, c.watch)
     c.refresh_rules()
     assert said is not None and "margins ignored" in said and c.rules.cost.margin == 1.0
-    # A broken file is logged and ignored.
+    # A broken file stops the start (the margin it kept is not forgotten silently).
     path.write_text("{not json")
     d = lane(clock)
-    assert learned_file.restore(path, d.watch) is None and d.watch.margin == 1.0
+    with pytest.raises(learned_file.StateFileError, match=f"{path}:1: not JSON"):
+        learned_file.restore(path, d.watch)
+
+
+def fresh(clock: ManualClock, path: Path, version: str, **overrides: object) -> Admission:
+    """A sidecar started with ``path`` as its state file, then its first snapshot (``lane``'s figures)."""
+    settings: dict[str, object] = dict(
+        cost__activation_bytes_per_chunk_token="1MiB",
+        cost__margin=1.0,
+        vram__headroom="idle_budget",
+        vram__idle_free_bytes="auto",
+        monitor__tolerance=0.0,
+        monitor__min_bytes="1MiB",
+        monitor__max_margin=3.0,
+        lane__chunked_prefill_size=100_000,
+    )
+    a = Admission(small_policy(**(settings | overrides)), clock)
+    learned_file.keep(path, a.watch, clock, wall=lambda: EPOCH + clock.t)
+    a.refresh_rules()
+    a.update_snapshot(gpu(snapshot(clock.t, version=version), clock.t, 4 * GIB))
+    return a
+
+
+EPOCH = 1_790_000_000.0  # the wall clock's Unix seconds at ManualClock 0
+
+
+def test_a_sidecar_restarted_before_a_new_build_is_confirmed_stays_conservative_until_a_reading_confirms(
+    clock: ManualClock, tmp_path: Path
+) -> None:
+    """Issue 29 item 2: a sidecar restarted between an engine upgrade and the reading that confirms the
+    new build must not trust the old build's margin on it; and the wait is not started again."""
+    path = tmp_path / "lane.json"
+    a = fresh(clock, path, "0.5.23")
+    clock.advance(1.0)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.24"), clock.t, 4 * GIB))  # the upgrade
+    upgraded_at = clock.t
+    assert a.watch.conservative is not None and a.rules.cost.margin == pytest.approx(1.0 + NEW_BUILD_SAFETY)
+    saved = json.loads(path.read_text())
+    assert saved["engine_build"] == "0.5.24" and saved["conservative"] == "engine build 0.5.23 -> 0.5.24"
+    assert saved["conservative_since"] == pytest.approx(EPOCH + upgraded_at)
+    assert saved["margin_in_force"] == pytest.approx(1.0 + NEW_BUILD_SAFETY)
+
+    # The sidecar restarts 600 s later (the engine, 0.5.24, runs on): still conservative, since then.
+    clock.advance(600.0)
+    b = fresh(clock, path, "0.5.24")
+    assert b.watch.conservative == "engine build 0.5.23 -> 0.5.24"
+    assert b.rules.cost.margin == pytest.approx(1.0 + NEW_BUILD_SAFETY)
+    assert b.watch.state(clock.t)["engine_build"]["since_age_s"] == pytest.approx(600.0)
+    # A prompt priced at the old margin that fits only there is not admitted on the unconfirmed build.
+    unfit = b.evaluate(ask(b, 3500, request_id="edge"))
+    assert unfit.reason is Reason.UNFIT_REQUEST, "the restarted sidecar trusted the old margin"
+    assert a.evaluate(ask(a, 3500, request_id="edge")).reason is Reason.UNFIT_REQUEST
+    forgot = fresh(clock, tmp_path / "none.json", "0.5.24")  # what forgetting the state would do
+    assert forgot.evaluate(ask(forgot, 3500)).action is Action.ADMIT
+    # A reading that confirms the fit (as in the test above): the learned margin again, and kept so.
+    h = submit(b, ask(b, 1000, request_id="r1"))
+    h.prefill_done()
+    clock.advance(0.1)
+    b.update_snapshot(gpu(b.snapshot, clock.t, 4 * GIB - 1000 * MIB))
+    assert b.watch.conservative is None and b.rules.cost.margin == 1.0
+    h.end(Outcome.COMPLETED)
+    saved = json.loads(path.read_text())
+    assert saved["conservative"] is None and saved["conservative_since"] is None
+    assert saved["margin_in_force"] == 1.0
+    # A third start after confirmation: the learned margin from the first request.
+    assert fresh(clock, path, "0.5.24").rules.cost.margin == 1.0
+
+
+GOOD = {
+    "version": 1,
+    "cost_fingerprint": "0123456789abcdef",
+    "margin": 1.2,
+    "crash_margin": None,
+    "crashes": 0,
+    "engine_build": "0.5.24",
+    "conservative": "engine build 0.5.23 -> 0.5.24",
+    "conservative_since": EPOCH,
+    "margin_in_force": 1.5,
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[1, 2]", ": (top level): expected a JSON object, got list"),
+        ('{"free_bytes": 1, "total_bytes": 2}', ": version: None: not a state file of this sidecar"),
+        (json.dumps(GOOD | {"version": 2}), ": version: 2: not a state file of this sidecar"),
+        (json.dumps(GOOD | {"conservative": True}), ": conservative: Input should be a valid string"),
+        (json.dumps(GOOD | {"margin": "1.2"}), ": margin: Input should be a valid number"),
+        (json.dumps(GOOD | {"crashes": -1}), ": crashes: Input should be greater than or equal to 0"),
+        (
+            json.dumps(GOOD | {"engine_build": None}),
+            ": conservative: an unconfirmed build with no engine_build",
+        ),
+        (json.dumps(GOOD | {"margin_in_force": 1.1}), ": margin_in_force: 1.1 is below margin 1.2"),
+        (json.dumps(GOOD | {"idle_free_bytes": 1}), ": idle_free_bytes: Extra inputs are not permitted"),
+        (json.dumps({k: v for k, v in GOOD.items() if k != "crashes"}), ": crashes: Field required"),
+        ('{\n  "version": 1,\n  oops\n}', ":3: not JSON: Expecting property name"),
+    ],
+)
+def test_a_corrupt_or_foreign_state_file_is_refused_naming_the_file_and_the_field(
+    clock: ManualClock, tmp_path: Path, text: str, says: str
+) -> None:
+    path = tmp_path / "lane.json"
+    path.write_text(text)
+    with pytest.raises(learned_file.StateFileError) as e:
+        fresh(clock, path, "0.5.24")
+    assert f"{path}{says}" in str(e.value) and "delete the file to start from the policy alone" in str(
+        e.value
+    )
+    # The file as this sidecar writes it loads.
+    path.write_text(json.dumps(GOOD))
+    assert fresh(clock, path, "0.5.24").watch.conservative == GOOD["conservative"]
 
 
 # -- a new engine build ----------------------------------------------------------------------------------

@@ -236,3 +236,53 @@ async def test_a_planned_upgrade_is_ridden_through_and_the_new_build_is_priced_c
     assert state["crashes"]["count"] == 0
     # The new process's idle figure, measured before the held request was let in.
     assert state["idle_free"]["engine_restarts"] == 1 and state["idle_free"]["after_traffic"] is False
+
+
+async def test_a_sidecar_restarted_before_a_new_build_is_confirmed_stays_conservative(tmp_path: Path) -> None:
+    """Issue 29 item 2, end to end: the engine is upgraded under a sidecar with a state file, and the
+    sidecar restarts before any reading confirmed the new build. The restarted one prices the lane as
+    unconfirmed from its first request (the old build's margin is no evidence about the new one) and
+    says since when; a small request, which cannot show the change, confirms nothing."""
+    profile = get_profile("maxq-old").replace(upgrade_at_s=40.0, upgrade_down_s=60.0)  # 2 s, then 3 s wall
+    model = build_model(profile, seed=1)
+    gpu_file, state_file = tmp_path / "gpu.json", tmp_path / "state.json"
+
+    def sidecar() -> SidecarApp:
+        return SidecarApp(
+            upstream=emu.url,
+            policy=loaded(POLICY.read_text()),
+            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+            trust_emulator_sizes=True,
+            state_file=state_file,
+        )
+
+    async with EmulatorServer(build_emulator_app(model, SPEED, gpu_file)) as emu:
+        first = sidecar()
+        async with serve_both(first):
+            await eventually(lambda: first.admission.watch.build == "0.5.23")
+            await eventually(lambda: first.admission.watch.conservative is not None, timeout=30)
+            conservative_margin = first.admission.rules.cost.margin
+        saved = json.loads(state_file.read_text())
+        assert saved["engine_build"] == "0.5.24" and saved["conservative"] == "engine build 0.5.23 -> 0.5.24"
+        assert saved["margin_in_force"] == pytest.approx(conservative_margin)
+
+        again = sidecar()  # restarted; the engine runs on, 0.5.24
+        policy_margin = again.admission.watch.own.cost.margin
+        assert conservative_margin == pytest.approx(policy_margin * 1.25)
+        assert again.admission.rules.cost.margin == pytest.approx(conservative_margin)
+        async with serve_both(again) as url, aiohttp.ClientSession() as session:
+            a = again.admission
+            await eventually(lambda: a.snapshot.engine is not None and a.watch.idle is not None, timeout=30)
+            body = {
+                "text": "x",
+                "sampling_params": {"max_new_tokens": 4},
+                "emulator": {"prompt_tokens": 2000},
+            }
+            async with session.post(url + "/generate", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            state = await (await session.get(url.admin + "/admission/state")).json()
+    build = state["engine_build"]
+    assert build["version"] == "0.5.24" and build["conservative"], build
+    assert build["margin_in_force"] == pytest.approx(conservative_margin, abs=1e-4)
+    assert build["since"] is not None and build["since_age_s"] >= 0
+    assert state["crashes"]["count"] == 0

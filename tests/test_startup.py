@@ -114,3 +114,18 @@ def test_invalid_settings_name_the_flag_and_variable_in_the_chosen_format() -> N
     assert "--drain-timeout-s [SIDECAR_DRAIN_TIMEOUT_S]: must be at least 0, got -1" in said["message"]
     assert "--upstream [SIDECAR_UPSTREAM]: upstream must be an http:// or https:// URL" in said["message"]
     assert not any(w in said["message"] for w in ("Value error", "Input should"))
+
+
+def test_a_corrupt_state_file_names_the_file_and_field_and_exits_2(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Starting from the policy alone would forget the margin a crash raised or an unconfirmed build."""
+    state = tmp_path / "lane.json"
+    state.write_text('{"version": 1, "conservative": true}')
+    r = serve(
+        "--policy", str(POLICY), "--gpu-source", f"file:{tmp_path / 'gpu.json'}", "--state-file", str(state),
+        "--listen", f"127.0.0.1:{free_port()}", "--admin-listen", f"127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    (said,) = errors(r.stderr)
+    assert said["event"] == "startup_failed" and said["exit_code"] == 2
+    assert f"{state}: conservative: Input should be a valid string" in said["message"]
+    assert f"{state}: cost_fingerprint: Field required" in said["message"]

@@ -315,6 +315,9 @@ class LaneWatch:
         # times 1 + ``NEW_BUILD_SAFETY``, until a reading confirms the fit (``_confirm``).
         self.build: str | None = None
         self.conservative: str | None = None  # why, while in it
+        # When it went in (this watch's clock; read only while ``conservative`` is set): the state
+        # file keeps it (as wall-clock time) so a sidecar restart does not start the wait again.
+        self.conservative_since: float | None = None
         # -- the largest prompt this engine process served (its cost terms, bytes): the monitor does
         # not raise the margin so far that it would be unfit (``raised_margin``'s ceiling).
         self._raw: dict[int, int] = {}
@@ -600,7 +603,7 @@ class LaneWatch:
         changed = self._measure_idle(snap, rules, now) or changed
         if snap.engine is not None and not snap.engine_health.consecutive_failures:
             self._last_report_at = max(self._last_report_at, snap.engine.observed_at)
-        changed = self._see_build(snap) or changed
+        changed = self._see_build(snap, now) or changed
         changed = self._compare_facts(snap) or changed
         self._transient_cap = rules.vram.transient_cap()
         self._chunk_tokens = rules.lane.chunked_prefill_size
@@ -653,6 +656,7 @@ class LaneWatch:
                 "version": self.build,
                 "conservative": self.conservative is not None,
                 "why": self.conservative,
+                "since_age_s": None if self.conservative is None else _age(now, self.conservative_since),
                 "margin_in_force": round(self.margin_in_force, 4),
             },
             "idle_free": {
@@ -739,7 +743,7 @@ class LaneWatch:
             )
         return self._own.vram.idle_free_auto
 
-    def _see_build(self, snap: Snapshot) -> bool:
+    def _see_build(self, snap: Snapshot, now: float) -> bool:
         """The engine's build (its reported version): a different one than the lane was learned on puts
         it in the conservative state. True when the margin in force changed."""
         version = snap.engine.version if snap.engine is not None else None
@@ -751,6 +755,7 @@ class LaneWatch:
             return False
         was = self.margin_in_force
         self.conservative = f"engine build {before} -> {version}"
+        self.conservative_since = now
         log.warning(
             "%s: the lane's learned margin %.3f is priced x%.2f (%.3f) until a reading confirms the fit",
             self.conservative,
@@ -874,7 +879,10 @@ class LaneWatch:
 
     def kept(self) -> dict[str, Any]:
         """What a sidecar restart keeps, as JSON: the margins learned against these costs, the engine
-        build, and whether it is confirmed."""
+        build and, while it is unconfirmed, why and since when (this watch's clock: ``ops/learned_file``
+        writes it as wall-clock time), with the margin in force (for the reader: ``restore`` derives it
+        again from the learned margin, under the policy in force then)."""
+        unconfirmed = self.conservative is not None
         return {
             "version": STATE_VERSION,
             "cost_fingerprint": self._fingerprint,
@@ -883,28 +891,35 @@ class LaneWatch:
             "crashes": self.crashes,
             "engine_build": self.build,
             "conservative": self.conservative,
+            "conservative_since": self.conservative_since if unconfirmed else None,
+            "margin_in_force": self.margin_in_force,
         }
 
-    def restore(self, saved: dict[str, Any]) -> str:
-        """What a previous run kept (``kept``); says what was taken. Margins only for the same
-        costs (another calibration starts from its own margin); never below the policy's margin."""
-        if saved.get("version") != STATE_VERSION:
-            return f"ignored: state version {saved.get('version')!r}, this sidecar writes {STATE_VERSION}"
-        build = saved.get("engine_build")
-        self.build = build if isinstance(build, str) else None
-        conservative = saved.get("conservative")
-        self.conservative = conservative if isinstance(conservative, str) else None
-        crashes = saved.get("crashes")
-        self.crashes = crashes if isinstance(crashes, int) and crashes >= 0 else 0
+    def restore(self, saved: dict[str, Any], now: float) -> str:
+        """What a previous run kept (``kept``, validated by ``ops/learned_file``); says what was taken.
+        The engine build and an unconfirmed state always (a sidecar restarted before a new build was
+        confirmed stays conservative: the old margin is no evidence about it), since when in this
+        watch's clock (``now`` where the file does not say). Margins only for the same costs (another
+        calibration starts from its own margin); never below the policy's margin nor above the cap."""
+        self.build = saved.get("engine_build")
+        self.conservative = saved.get("conservative")
+        since = saved.get("conservative_since")
+        self.conservative_since = None if self.conservative is None else (now if since is None else since)
+        self.crashes = saved.get("crashes", 0)
+        build = f"engine build {self.build}"
+        if self.conservative is not None:
+            build += f" unconfirmed ({self.conservative})"
         if saved.get("cost_fingerprint") != self._fingerprint:
-            return f"engine build {self.build}; margins ignored (the policy's costs changed)"
+            return f"{build}; margins ignored (the policy's costs changed)"
         cap = max(self._own.monitor.max_margin, self._own.cost.margin)
-        margin, crash = saved.get("margin"), saved.get("crash_margin")
-        if isinstance(margin, int | float) and math.isfinite(margin):
-            self.margin = max(self.margin, min(cap, float(margin)))
-        if isinstance(crash, int | float) and math.isfinite(crash):
-            self.crash_margin = min(cap, float(crash))
-        return f"margin {self.margin:.4f}, engine build {self.build}, {self.crashes} crash(es) before"
+        self.margin = max(self.margin, min(cap, saved["margin"]))
+        crash = saved.get("crash_margin")
+        if crash is not None:
+            self.crash_margin = min(cap, crash)
+        return (
+            f"margin {self.margin:.4f} (in force {self.margin_in_force:.4f}), {build}, "
+            f"{self.crashes} crash(es) before"
+        )
 
     def _baseline(self) -> tuple[int, int | None] | None:
         """(idle free, other processes then): the sidecar's measurement, else the policy's figure."""
@@ -1028,6 +1043,10 @@ class LaneWatch:
         if raised:
             self.on_learned()
         return raised or confirmed
+
+
+def _age(now: float, since: float | None) -> float | None:
+    return None if since is None else round(now - since, 3)
 
 
 def _why(f: Finding) -> str:

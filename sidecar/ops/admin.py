@@ -251,6 +251,7 @@ def _watch_state(a: Admission, now: float) -> dict[str, Any]:
     idle["headroom_in_force"] = a.rules.vram.headroom.value
     idle["measured_at"] = _wall(idle["measured_age_s"])
     margin["since"] = _wall(margin["since_age_s"])
+    out["engine_build"]["since"] = _wall(out["engine_build"]["since_age_s"])
     last = out["monitor"]["last"]
     if last is not None:
         last["at"] = _wall(last["age_s"])
