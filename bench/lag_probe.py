@@ -29,6 +29,7 @@ import traceback
 from typing import Any
 
 TICK_S = 0.001
+HEAVY_S = 0.002  # a tick with more loop CPU than this is kept, with its collections, for the read
 # The frames that say whose work a sample is: the innermost of these files (the rest is the stdlib's).
 OWN = (
     "/sidecar/",
@@ -53,6 +54,9 @@ class LagProbe:
         # too): a stall as long as one of them is the collector's, not the request path's.
         self.gc_pauses: list[tuple[int, float]] = []
         self._gc_started = 0.0
+        self._gc_log: list[tuple[float, int, float]] = []  # (ended at, generation, s) since the last read
+        # The ticks whose loop CPU was over 2 ms: (CPU s, lag s, ended at), to match with the collector's.
+        self.heavy: list[tuple[float, float, float]] = []
         self.frozen = frozen  # objects start-up moved out of the collector's sight (counted once)
         self.task: asyncio.Task[None] | None = None
         self.last_tick = time.perf_counter()
@@ -65,7 +69,9 @@ class LagProbe:
         if phase == "start":
             self._gc_started = time.perf_counter()
         else:
-            self.gc_pauses.append((info["generation"], time.perf_counter() - self._gc_started))
+            now = time.perf_counter()
+            self.gc_pauses.append((info["generation"], now - self._gc_started))
+            self._gc_log.append((now, info["generation"], now - self._gc_started))
 
     def start(self) -> None:
         if self.task is None or self.task.done():
@@ -89,8 +95,11 @@ class LagProbe:
             t0, c0 = clock(), cpu()
             self.last_tick = t0
             await asyncio.sleep(TICK_S)
-            self.lags.append(clock() - t0 - TICK_S)
-            self.busy.append(cpu() - c0)
+            t1, used = clock(), cpu() - c0
+            self.lags.append(t1 - t0 - TICK_S)
+            self.busy.append(used)
+            if used > HEAVY_S:
+                self.heavy.append((used, t1 - t0 - TICK_S, t1))
 
     def _watch(self, loop_tid: int) -> None:
         """Sample the loop thread's stack while its tick is late (``BENCH_STALL_STACKS``)."""
@@ -121,6 +130,8 @@ class LagProbe:
         busy, self.busy = sorted(self.busy), []
         pauses, self.gc_pauses = self.gc_pauses, []
         stalls, self.stalls = self.stalls, []
+        heavy, self.heavy = sorted(self.heavy, reverse=True), []
+        gc_log, self._gc_log = self._gc_log, []
         if not lags:
             return {"samples": 0}
         out = {
@@ -132,6 +143,18 @@ class LagProbe:
             "busy_max_ms": 1000 * busy[-1] if busy else None,
             "busy_p99_ms": 1000 * busy[int(0.99 * (len(busy) - 1))] if busy else None,
             "busy_over_5ms": sum(1 for v in busy if v > 0.005),
+            # The heaviest ticks, each with the collections that ended inside it: a stall that is
+            # the collector's says so (generation, ms).
+            "busy_top": [
+                {
+                    "cpu_ms": round(1000 * used, 2),
+                    "lag_ms": round(1000 * late, 2),
+                    "gc": [
+                        (g, round(1000 * d, 2)) for at, g, d in gc_log if end - late - TICK_S <= at <= end
+                    ],
+                }
+                for used, late, end in heavy[:8]
+            ],
             "gc_collections": len(pauses),
             "gc_full_collections": sum(1 for g, _ in pauses if g == 2),
             "gc_max_ms": 1000 * max((d for _, d in pauses), default=0.0),
