@@ -449,7 +449,8 @@ def _decode_and_read(body: bytes, version: str | None) -> tuple[MetricsReading, 
 # A JSON answer this large is parsed on the pollers' thread, not the loop's: SGLang's /server_info is
 # ~46 KB (0.5.23, the whole server_args), ~0.8 ms of ``json.loads`` on the 2-core development machine,
 # read at start-up and after every engine restart, when a burst of held requests is often waiting.
-# A small one (/v1/loads, ~1.5 KB, ~0.1 ms) is parsed in place: the hop to a thread costs about as much.
+# A small one (/v1/loads, ~1.5 KB, ~0.1 ms) is parsed in place: the hop to a thread costs about as much
+# (docs/evidence.md QD5).
 JSON_OFF_LOOP_BYTES = 16 * 1024
 
 
