@@ -13,11 +13,14 @@ Shapes (``load`` / ``kind`` in the rows):
 
 - saturation: wrk, 64 connections, as fast as the path answers: ``small`` (a small ``POST /generate``,
   through the gate on the sidecar), ``small-passthrough`` (``GET /v1/models``), ``sse`` (a gated
-  ``POST /generate`` streaming 100 events of ~200 bytes). Latency figures are wrk's, whole responses.
+  ``POST /generate`` streaming 100 events of ~200 bytes), ``sse-long`` (the same streaming 400 events,
+  for 4x the phase; nginx, the sidecar and its own floor only: the slope between the two is the relay's
+  CPU per event, the intercept each SSE request's own). Latency figures are wrk's, whole responses.
 - paced: a Python client holds 64 streams that each receive 20 events/s, like decoding models; added
   time to first byte and added inter-event gap, p50/p99, over direct. ``sse``: the 64 one-second
   streams start together, so each second 64 gated requests arrive in one burst; ``sse-staggered``:
-  stream i starts i/64 s in, so they arrive spread out, as independent clients' would.
+  stream i starts i/64 s in, so they arrive spread out, as independent clients' would. The sidecar's own
+  floor (``floor-uvicorn``) runs this phase too, its loop probed like the sidecar's.
 - large: gated requests carrying 64K, 128K and 500K-token prompts as text (~4 bytes a token) and as
   ``input_ids``, one at a time; added time to first byte over direct, and the proxy's peak RSS (VmHWM,
   reset before each kind) against its RSS before.
@@ -25,7 +28,11 @@ Shapes (``load`` / ``kind`` in the rows):
 
     make bench-overhead [ARGS="--quick"]      # or: .venv/bin/python bench/overhead.py --help
 
-Prints a table and the targets of issue #12, writes ``bench/results/overhead.json`` (``--json``).
+Prints a table, the targets of issue #12 and issue #27's figures, each also beside the same figure for
+the sidecar's own floor (where the floor alone misses a goal, the goal is beyond this stack), and writes
+``bench/results/overhead.json`` (``--json``). The loop probe (``bench/lag_probe.py``) reports the
+wall-clock lag and the loop thread's own CPU per tick (``busy_*``: the stall's work, apart from the
+scheduler's share, which dominates on a shared machine).
 """
 
 from __future__ import annotations
