@@ -11,6 +11,10 @@ its ASGI interface, uvloop), ``hypercorn`` (h11, uvloop); ``--client lean`` rela
 sidecar's own upstream client (``sidecar/http/engine_client.py``), the one its data path uses, so
 ``--client lean`` under a server is that server's floor for the sidecar.
 
+``--lag-probe`` (uvicorn only) adds ``bench/lag_probe.py``'s event-loop lag probe at ``GET /__bench/lag``,
+ticking only between ``?probe=on`` and ``?probe=off``, and freezes start-up's objects as ``serve`` does
+(``gc.freeze``): the floor's loop stall under the same load as the sidecar's, measured the same way.
+
     python bench/floor_proxy.py --upstream http://127.0.0.1:PORT --port PORT [--server S] [--client C]
 """
 
@@ -97,8 +101,38 @@ def app_from_env() -> FloorProxy:
     return cls(os.environ["FLOOR_UPSTREAM"])
 
 
-def serve(server: str, client: str, upstream: str, port: int) -> None:
+def with_lag_probe(app: Any) -> Any:
+    """``app`` behind the benchmarks' lag probe (off until ``?probe=on``), start-up frozen once the
+    lifespan has started, as ``sglang-sidecar serve`` freezes its own (``cli._freeze_startup_objects``)."""
+    import gc
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from lag_probe import LagProbe, probed
+
+    probe = LagProbe()
+
+    async def frozen_after_start(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def send_then_freeze(msg: dict[str, Any]) -> None:
+            await send(msg)
+            if msg["type"] == "lifespan.startup.complete":
+                gc.collect()
+                gc.freeze()
+                probe.frozen = gc.get_freeze_count()
+
+        return await app(scope, receive, send_then_freeze)
+
+    return probed(frozen_after_start, probe, run_at_start=False)
+
+
+def serve(server: str, client: str, upstream: str, port: int, lag_probe: bool = False) -> None:
     app = (LeanFloor if client == "lean" else FloorProxy)(upstream)
+    if lag_probe:
+        if server != "uvicorn":
+            raise SystemExit("--lag-probe: uvicorn only")
+        app = with_lag_probe(app)
     if server == "uvicorn":
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                     loop="uvloop", http="httptools")  # fmt: skip
@@ -134,8 +168,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--server", choices=SERVERS, default="uvicorn")
     ap.add_argument("--client", choices=CLIENTS, default="aiohttp")
+    ap.add_argument("--lag-probe", action="store_true", help="GET /__bench/lag: the loop's stalls (uvicorn)")
     args = ap.parse_args()
-    serve(args.server, args.client, args.upstream, args.port)
+    serve(args.server, args.client, args.upstream, args.port, args.lag_probe)
 
 
 if __name__ == "__main__":

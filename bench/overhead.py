@@ -13,11 +13,14 @@ Shapes (``load`` / ``kind`` in the rows):
 
 - saturation: wrk, 64 connections, as fast as the path answers: ``small`` (a small ``POST /generate``,
   through the gate on the sidecar), ``small-passthrough`` (``GET /v1/models``), ``sse`` (a gated
-  ``POST /generate`` streaming 100 events of ~200 bytes). Latency figures are wrk's, whole responses.
+  ``POST /generate`` streaming 100 events of ~200 bytes), ``sse-long`` (the same streaming 400 events,
+  for 4x the phase; nginx, the sidecar and its own floor only: the slope between the two is the relay's
+  CPU per event, the intercept each SSE request's own). Latency figures are wrk's, whole responses.
 - paced: a Python client holds 64 streams that each receive 20 events/s, like decoding models; added
   time to first byte and added inter-event gap, p50/p99, over direct. ``sse``: the 64 one-second
   streams start together, so each second 64 gated requests arrive in one burst; ``sse-staggered``:
-  stream i starts i/64 s in, so they arrive spread out, as independent clients' would.
+  stream i starts i/64 s in, so they arrive spread out, as independent clients' would. The sidecar's own
+  floor (``floor-uvicorn``) runs this phase too, its loop probed like the sidecar's.
 - large: gated requests carrying 64K, 128K and 500K-token prompts as text (~4 bytes a token) and as
   ``input_ids``, one at a time; added time to first byte over direct, and the proxy's peak RSS (VmHWM,
   reset before each kind) against its RSS before.
@@ -25,7 +28,11 @@ Shapes (``load`` / ``kind`` in the rows):
 
     make bench-overhead [ARGS="--quick"]      # or: .venv/bin/python bench/overhead.py --help
 
-Prints a table and the targets of issue #12, writes ``bench/results/overhead.json`` (``--json``).
+Prints a table, the targets of issue #12 and issue #27's figures, each also beside the same figure for
+the sidecar's own floor (where the floor alone misses a goal, the goal is beyond this stack), and writes
+``bench/results/overhead.json`` (``--json``). The loop probe (``bench/lag_probe.py``) reports the
+wall-clock lag and the loop thread's own CPU per tick (``busy_*``: the stall's work, apart from the
+scheduler's share, which dominates on a shared machine).
 """
 
 from __future__ import annotations
@@ -57,6 +64,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(1, str(ROOT))
 CONCURRENCY = 64
 SSE_EVENTS = 100
+# The same stream four times as long (nginx, the sidecar and its own floor only), for four times as
+# long: the CPU per event of the relay alone, as the slope between the two, apart from each request's
+# own work (the intercept). As long as the phase scales with the stream, the streams cut off when wrk
+# stops (CPU spent, no request counted) weigh the same in both shapes.
+SSE_LONG_EVENTS = 400
 PACED_STREAMS = 64
 PACED_EVENTS_PER_S = 20
 LARGE_TOKENS = {"64k": 65_536, "128k": 131_072, "500k": 500_000}
@@ -282,9 +294,12 @@ def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[
         extra: dict[str, Server] = {}
         for name, (server, client) in floors.items():
             f = fl if name == "floor" else Server(name, f"http://127.0.0.1:{free_port()}")
+            # The sidecar's own floor runs the paced phase too: with the sidecar's lag probe (ticking in
+            # that phase only), so the paced loop stall has the floor's figure beside it.
+            probe = ["--lag-probe"] if name == OWN_FLOOR else []
             f.proc = subprocess.Popen(
                 [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--upstream", up.url,
-                 "--port", f.url.rsplit(":", 1)[1], "--server", server, "--client", client],
+                 "--port", f.url.rsplit(":", 1)[1], "--server", server, "--client", client, *probe],
                 cwd=ROOT, env=env, stdout=log, stderr=log, preexec_fn=_pinned(cores.sidecar),
             )  # fmt: skip
             f.extra.update(server=server, client=client)
@@ -317,6 +332,9 @@ def servers(args: argparse.Namespace, cores: Cores, tmp: Path) -> Iterator[dict[
 
 SMALL_BODY = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}})
 SSE_BODY = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": SSE_EVENTS}})
+SSE_LONG_BODY = json.dumps(
+    {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": SSE_LONG_EVENTS}}
+)
 
 
 def lua_script(tmp: Path, name: str, method: str, body: str | None) -> Path:
@@ -346,16 +364,19 @@ def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], t
         "small": ("/generate", "POST", SMALL_BODY, 1),
         "small-passthrough": ("/v1/models", "GET", None, 0),
         "sse": (f"/generate?events={SSE_EVENTS}", "POST", SSE_BODY, SSE_EVENTS),
+        "sse-long": (f"/generate?events={SSE_LONG_EVENTS}", "POST", SSE_LONG_BODY, SSE_LONG_EVENTS),
     }
     rows = []
     for kind, (path, method, body, events) in shapes.items():
         script = lua_script(tmp, kind, method, body)
         for name, s in srv.items():
+            if kind == "sse-long" and name not in ("nginx", "sidecar", OWN_FLOOR):
+                continue
             wrk(
                 args, cores, s.url + path, script, 1
             )  # warm: connections, caches, the sidecar's first-use paths
             cpu0 = cpu_seconds(s.pid)
-            r = wrk(args, cores, s.url + path, script, args.seconds)
+            r = wrk(args, cores, s.url + path, script, args.seconds * max(1, events // SSE_EVENTS))
             cpu = cpu_seconds(s.pid) - cpu0
             dur = r["duration_us"] / 1e6
             n = r["requests"]
@@ -364,9 +385,9 @@ def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], t
                     name, "saturation", kind, CONCURRENCY,
                     ttfb_p50_ms=r["p50_us"] / 1000, ttfb_p99_ms=r["p99_us"] / 1000,
                     requests_per_s=n / dur,
-                    sse_events_per_s=n * events / dur if kind == "sse" else None,
+                    sse_events_per_s=n * events / dur if events > 1 else None,
                     cpu_s_per_1000_requests=1000 * cpu / max(1, n),
-                    cpu_s_per_1000_events=1000 * cpu / max(1, n * events) if kind == "sse" else None,
+                    cpu_s_per_1000_events=1000 * cpu / max(1, n * events) if events > 1 else None,
                     errors=r["errors"] + r["status_errors"],
                 )
             )  # fmt: skip
@@ -522,12 +543,29 @@ def large(args: argparse.Namespace, cores: Cores, srv: dict[str, Server]) -> lis
     return rows
 
 
-def lag(srv: dict[str, Server]) -> dict[str, Any]:
+def lag(srv: dict[str, Server], name: str = "sidecar", probe: str = "") -> dict[str, Any]:
+    """The loop-lag figures of ``name`` since the last read (and reset); ``probe``: ``on``/``off`` to
+    start or stop a probe that ticks only when asked (the floor's)."""
+    query = f"?probe={probe}" if probe else ""
+
     async def get() -> dict[str, Any]:
-        async with aiohttp.ClientSession() as s, s.get(srv["sidecar"].url + "/__bench/lag") as r:
+        async with aiohttp.ClientSession() as s, s.get(srv[name].url + "/__bench/lag" + query) as r:
             return await r.json()
 
     return asyncio.run(get())
+
+
+def paced_with_floor_lag(args: argparse.Namespace, cores: Cores, srv: dict[str, Server],
+                         floor_lags: dict[str, dict]) -> list[dict]:  # fmt: skip
+    """The paced phase, the sidecar's own floor's loop probed through it (``floor_lags["paced"]``)."""
+    probed = OWN_FLOOR in srv
+    if probed:
+        lag(srv, OWN_FLOOR, "on")
+    proxies = {k: v for k, v in srv.items() if not k.startswith("floor")}
+    rows = paced(args, cores, proxies | own_floor(srv))
+    if probed:
+        floor_lags["paced"] = lag(srv, OWN_FLOOR, "off")
+    return rows
 
 
 ROW_FIELDS = (
@@ -680,6 +718,25 @@ def print_table(rows: list[dict], tg: list[dict], lags: dict[str, dict], micro: 
         print(f"  {t['target']:52} {fmt(t['value']):>10} {t['unit']:5} limit {t['limit']:g}  {state}")
 
 
+def print_busy(lags: dict[str, dict], floor_lags: dict[str, dict]) -> None:
+    """The loop thread's own CPU within one probe tick, per phase (``bench/lag_probe.py``): the work a
+    stall is made of, apart from time the thread was off the CPU (the wall-clock lag above includes the
+    scheduler's, most of it on a shared machine), the sidecar's and its own floor's."""
+    for who, by_phase in (("sidecar", lags), (OWN_FLOOR, floor_lags)):
+        cells = [f"{k} max {fmt(v.get('busy_max_ms'))} ms, p99 {fmt(v.get('busy_p99_ms'))} ms "
+                 f"({v.get('busy_over_5ms', 0)} > 5 ms)" for k, v in by_phase.items() if v.get("samples")]  # fmt: skip
+        if cells:
+            print(f"{who} loop thread's CPU in one tick: " + ", ".join(cells))
+        top = by_phase.get("paced", {}).get("busy_top", [])
+        if top:
+            print(f"  {who}'s heaviest paced ticks, ms of CPU [collections in them: generation, ms]: " + ", ".join(
+                f"{t['cpu_ms']:.1f}" + (f" {t['gc']}" if t["gc"] else "") for t in top))  # fmt: skip
+    paced = floor_lags.get("paced", {})
+    if paced.get("samples"):
+        print(f"{OWN_FLOOR} event-loop lag, paced: max {fmt(paced.get('max_ms'))} ms ({paced.get('over_5ms', 0)} > 5 ms;"
+              f" longest gc pause {fmt(paced.get('gc_max_ms'))} ms)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     global MACHINE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -713,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rows: list[dict] = []
     lags: dict[str, dict] = {}
+    floor_lags: dict[str, dict] = {}  # the own floor's loop probe, paced phase only
     with tempfile.TemporaryDirectory(prefix="overhead-") as t, servers(args, cores, Path(t)) as srv:
         lag(srv)
         idle0 = {name: cpu_seconds(s.pid) for name, s in srv.items()}
@@ -723,16 +781,19 @@ def main(argv: list[str] | None = None) -> int:
         proxies = {k: v for k, v in srv.items() if not k.startswith("floor")}  # the floors: saturation only
         for phase in phases:
             rows += {"saturation": lambda: saturation(args, cores, srv, Path(t)),
-                     "paced": lambda: paced(args, cores, proxies | own_floor(srv)),
+                     "paced": lambda: paced_with_floor_lag(args, cores, srv, floor_lags),
                      "large": lambda: large(args, cores, proxies)}[phase]()  # fmt: skip
             lags[phase] = lag(srv)
         versions = {"nginx": srv["nginx"].extra["version"], "gpu_source": srv["sidecar"].extra["gpu_source"]}
     for r in rows:
         if r["path"] == "sidecar":
             r["loop_lag_max_ms"] = lags.get(r["load"], {}).get("max_ms")
+        elif r["path"] == OWN_FLOOR:
+            r["loop_lag_max_ms"] = floor_lags.get(r["load"], {}).get("max_ms")
     micro = decision_microbench()
     tg = targets(rows, lags)
     print_table(rows, tg, lags, micro)
+    print_busy(lags, floor_lags)
     print("idle CPU, ms per s (pollers, lag probe): " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()))
     floor = floor_ratios(rows)
     print("\nthe stack's floor (bench/floor_proxy.py: uvicorn + aiohttp relaying, nothing else), CPU ratios")
@@ -743,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     servers_table(rows)
     held = [] if args.no_hold_queue else hold_queue_figures(args)
-    goals = issue27(rows, lags, idle, micro, held)
+    goals = issue27(rows, lags, idle, micro, held, floor_lags)
     print_issue27(goals)
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -755,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
         "rows": rows,
         "loop_lag": lags,
+        "floor_loop_lag": floor_lags,
         "idle_cpu_ms_per_s": idle,
         "decision_in_process": micro,
         "targets": tg,
@@ -789,10 +851,13 @@ def servers_table(rows: list[dict]) -> None:
               f"{fmt(c, 1, 1):>11}{fmt(cx, 1, 1):>7}")  # fmt: skip
 
 
+OWN_FLOOR = "floor-uvicorn"
+
+
 def own_floor(srv: dict[str, Server]) -> dict[str, Server]:
     """The sidecar's own floor (its server, its client), where it runs: paced too, so that a burst's
     added time to first byte has the figure the stack itself reaches beside the sidecar's."""
-    return {k: v for k, v in srv.items() if k == "floor-uvicorn"}
+    return {k: v for k, v in srv.items() if k == OWN_FLOOR}
 
 
 def installed_servers() -> list[str]:
@@ -822,9 +887,88 @@ def _us(r: dict | None) -> float | None:
 
 
 def issue27(
+    rows: list[dict], lags: dict[str, dict], idle: dict[str, float], micro: dict | None, held: list[dict],
+    floor_lags: dict[str, dict] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every figure of issue #27's table, measured in this run, with its goal and whether it is met,
+    and beside it the same figure for the stack's floor (``floor_figures``)."""
+    out = _issue27_figures(rows, lags, idle, micro, held)
+    at_floor = floor_figures(rows, idle, floor_lags or {})
+    for t in out:
+        value, note = at_floor.get(t["figure"], (None, ""))
+        t["floor"], t["floor_note"] = value, note
+        # Does the floor alone (the same server and client, no gate) meet the goal? Where it does not,
+        # the goal is not reachable on this stack, and the floor's figure is the one that is.
+        t["floor_met"] = None if value is None or t["limit"] is None else value <= t["limit"]
+    return out
+
+
+def sse_split(rows: list[dict], path: str) -> tuple[float, float] | None:
+    """(µs CPU per relayed event, µs per SSE request apart from its events) of ``path``: the slope and
+    intercept of CPU per request between the 100- and the 1,000-event streams at saturation."""
+    short, long = find(rows, path, "saturation", "sse"), find(rows, path, "saturation", "sse-long")
+    if not short or not long:
+        return None
+    a, b = 1000 * short["cpu_s_per_1000_requests"], 1000 * long["cpu_s_per_1000_requests"]
+    per_event = (b - a) / (SSE_LONG_EVENTS - SSE_EVENTS)
+    return per_event, a - SSE_EVENTS * per_event
+
+
+def floor_figures(
+    rows: list[dict], idle: dict[str, float], floor_lags: dict[str, dict]
+) -> dict[str, tuple[float | None, str]]:
+    """Issue #27's figures for the sidecar's own floor (uvicorn + the sidecar's client, relaying and
+    nothing else), measured in the same run, keyed by the figure's name in ``issue27``."""
+    f = own_floor_name(rows)
+
+    def us(path: str, kind: str) -> float | None:
+        return _us(find(rows, path, "saturation", kind))
+
+    def per_event(path: str) -> float | None:
+        r = find(rows, path, "saturation", "sse")
+        return r["cpu_s_per_1000_events"] if r else None
+
+    fs, fp, npass = us(f, "small"), us(f, "small-passthrough"), us("nginx", "small-passthrough")
+    out: dict[str, tuple[float | None, str]] = {}
+    if fp and npass:
+        out["CPU per pass-through request / nginx"] = (fp / npass, f"{f} {fp:.0f} us")
+    if fs and fp:
+        out["gate work per request (gated - pass-through)"] = (fs - fp, f"{f}: small POST - pass-through GET")
+    burst = find(rows, f, "paced", "sse") or {}
+    out["64 streams at once: added TTFB p50"] = (burst.get("added_ttfb_p50_ms"), f)
+    out["64 streams at once: added TTFB p99"] = (burst.get("added_ttfb_p99_ms"), f)
+    st = find(rows, f, "paced", "sse-staggered") or {}
+    out["staggered starts: added TTFB p50"] = (st.get("added_ttfb_p50_ms"), f)
+    out["staggered starts: added TTFB p99"] = (st.get("added_ttfb_p99_ms"), f)
+    fe, ae, ne = per_event(f), per_event("floor"), per_event("nginx")
+    if fe and ne:
+        aio = f"; floor (aiohttp) {ae / ne:.2f}x" if ae and f != "floor" else ""
+        out["SSE CPU per event / nginx"] = (
+            fe / ne,
+            f"{f} {1000 * fe:.2f} us/event, nginx {1000 * ne:.2f}{aio}",
+        )
+    split, nsplit = sse_split(rows, f), sse_split(rows, "nginx")
+    if split:
+        n = f", nginx {nsplit[0]:.2f}" if nsplit else ""
+        out["  SSE relay alone: CPU per event (slope)"] = (split[0], f"{f}{n}")
+        out["  SSE request apart from its events (intercept)"] = (split[1], f)
+    paced = floor_lags.get("paced", {})
+    if paced.get("samples"):
+        out["event-loop stall while signals poll, paced"] = (
+            paced.get("max_ms"), f"{f} (no pollers), p99 {fmt(paced.get('p99_ms'))} ms, "
+            f"{paced.get('over_5ms')} over 5 ms, own CPU in one tick max {fmt(paced.get('busy_max_ms'))} ms, "
+            f"longest gc pause {fmt(paced.get('gc_max_ms'))} ms")  # fmt: skip
+    if f in idle:
+        out["sidecar idle CPU (pollers, lag probe)"] = (idle[f], f"{f}: no pollers, no probe while idle")
+    sat = find(rows, f, "saturation", "small")
+    if sat:
+        out["saturation, gated small: p99 TTFB"] = (sat["ttfb_p99_ms"], f"{f}, small POST")
+    return out
+
+
+def _issue27_figures(
     rows: list[dict], lags: dict[str, dict], idle: dict[str, float], micro: dict | None, held: list[dict]
 ) -> list[dict[str, Any]]:
-    """Every figure of issue #27's table, measured in this run, with its goal and whether it is met."""
     out: list[dict[str, Any]] = []
 
     def goal(
@@ -881,11 +1025,30 @@ def issue27(
         else None
     )
     goal("SSE CPU per event / nginx", ratio, 2, "x", was="sse")
+    split, nsplit = sse_split(rows, "sidecar"), sse_split(rows, "nginx")
+    if split:
+        # Where the sidecar's SSE CPU goes: the relay per event, or each request's own work spread
+        # over its 100 events (the gate's, as in the gated small request).
+        goal(
+            "  SSE relay alone: CPU per event (slope)",
+            split[0],
+            None,
+            "us",
+            f"{SSE_EVENTS} vs {SSE_LONG_EVENTS:,}-event streams"
+            + (f"; nginx {nsplit[0]:.2f} us" if nsplit else ""),
+        )
+        goal("  SSE request apart from its events (intercept)", split[1], None, "us",
+             f"/ {SSE_EVENTS} events = {split[1] / SSE_EVENTS:.2f} us per event of the 100")  # fmt: skip
+    paced, idle_lag = lags.get("paced", {}), lags.get("idle", {})
     goal(
         "event-loop stall while signals poll, paced",
-        lags.get("paced", {}).get("max_ms"),
+        paced.get("max_ms"),
         5,
         "ms",
+        f"loop's own CPU in one tick: max {fmt(paced.get('busy_max_ms'))} ms paced, "
+        f"{fmt(idle_lag.get('busy_max_ms'))} ms idle (the pollers alone)"
+        if "busy_max_ms" in paced
+        else "",
         was="stall",
     )
     goal("sidecar idle CPU (pollers, lag probe)", idle.get("sidecar"), 10, "ms/s", was="idle")
@@ -955,6 +1118,27 @@ def print_issue27(goals: list[dict[str, Any]]) -> None:
         limit = "" if t["limit"] is None else f"goal <= {t['limit']:g}"
         print(f"  {t['figure']:48} {fmt(t['value']):>9} {t['unit']:5} {limit:12} {state:8} {t['note']}"
               + (f"  [was {t['was']}]" if t.get("was") else ""))  # fmt: skip
+    print_floors(goals)
+
+
+def print_floors(goals: list[dict[str, Any]]) -> None:
+    """Each of issue #27's figures beside the same figure for the stack's floor (its server and client,
+    no gate), measured in this run: where the floor alone misses a goal, the goal is not reachable on
+    this stack, and the floor's figure is the one that is."""
+    rows = [t for t in goals if t.get("floor") is not None]
+    if not rows:
+        return
+    print("\nissue #27 at the stack's floor (the same figure, same run, no gate; 'floor alone' = whether the")
+    print("floor meets the goal: where it does not, the goal is beyond this stack and the floor's figure is")
+    print("the one that is)")
+    print(
+        f"  {'figure':48} {'sidecar':>9} {'floor':>9} {'unit':5} {'goal':>6}  {'floor alone':12} floor's note"
+    )
+    for t in rows:
+        limit = "" if t["limit"] is None else f"{t['limit']:g}"
+        alone = {True: "meets it", False: "MISSES IT", None: "-"}[t["floor_met"]]
+        print(f"  {t['figure']:48} {fmt(t['value']):>9} {fmt(t['floor']):>9} {t['unit']:5} {limit:>6}  {alone:12} "
+              f"{t['floor_note']}")  # fmt: skip
 
 
 def cpu_model() -> str:

@@ -96,3 +96,49 @@ def test_the_hold_queue_bench_s_own_figures_become_the_issue_s_rows() -> None:
     assert rate["value"] == 1046.0 and rate["met"] is True
     assert health["value"] == 9.1 and health["met"] is True
     assert answered["value"] == 9_999 and answered["met"] is False  # one client got no answer
+
+
+def test_each_figure_has_the_floor_s_beside_it_and_says_whether_the_floor_alone_meets_the_goal() -> None:
+    """Issue #27's acceptance: where a goal is beyond the stack, the figure that is: the sidecar's own
+    floor (uvicorn + its client, no gate) measured in the same run, from the floor's own rows."""
+    row = overhead.row
+    rows = [
+        *_rows(),
+        row("floor-uvicorn", "saturation", "small-passthrough", 64, cpu_s_per_1000_requests=0.090),
+        row(
+            "floor-uvicorn",
+            "saturation",
+            "sse",
+            64,
+            cpu_s_per_1000_events=0.0015,
+            cpu_s_per_1000_requests=0.150,
+        ),
+        row("floor-uvicorn", "saturation", "sse-long", 64, cpu_s_per_1000_requests=0.600),
+        row("sidecar", "saturation", "sse-long", 64, cpu_s_per_1000_requests=0.700),
+        row("floor-uvicorn", "paced", "sse-staggered", 64, added_ttfb_p50_ms=0.2, added_ttfb_p99_ms=0.4),
+    ]
+    rows[7]["cpu_s_per_1000_requests"] = 0.250  # the sidecar's 100-event SSE request
+    lags = {"paced": {"max_ms": 9.0, "busy_max_ms": 6.0}, "idle": {"max_ms": 0.4, "busy_max_ms": 0.5}}
+    floor_lags = {"paced": {"samples": 100, "max_ms": 6.5, "p99_ms": 1.0, "over_5ms": 1, "busy_max_ms": 3.0}}
+    goals = _by_figure(
+        overhead.issue27(rows, lags, {"sidecar": 12.0, "floor-uvicorn": 0.0}, None, [], floor_lags)
+    )
+    passthrough = goals["CPU per pass-through request / nginx"]
+    assert passthrough["floor"] == pytest.approx(4.5) and passthrough["floor_met"] is False  # 90 / 20 us
+    assert goals["gate work per request (gated - pass-through)"]["floor"] == pytest.approx(10)  # 100 - 90 us
+    burst = goals["64 streams at once: added TTFB p99"]
+    assert (burst["value"], burst["floor"], burst["floor_met"]) == (9.0, 4.0, True)
+    assert goals["staggered starts: added TTFB p50"]["floor"] == 0.2
+    sse = goals["SSE CPU per event / nginx"]
+    assert sse["floor"] == pytest.approx(1.5) and sse["floor_met"] is True
+    stall = goals["event-loop stall while signals poll, paced"]
+    assert (stall["value"], stall["floor"], stall["floor_met"]) == (9.0, 6.5, False)
+    assert "6.00 ms paced" in stall["note"] and "3.00" in stall["floor_note"]
+    # The relay per event apart from each request's own work: 100 vs 400 events (250 -> 700 us; 150 -> 600).
+    slope = goals["SSE relay alone: CPU per event (slope)"]
+    assert slope["value"] == pytest.approx(1.5) and slope["floor"] == pytest.approx(1.5)
+    intercept = goals["SSE request apart from its events (intercept)"]
+    assert intercept["value"] == pytest.approx(100) and intercept["floor"] == pytest.approx(0)
+    assert (
+        goals["CPU per gated small request / floor"]["floor"] is None
+    )  # the floor is what it is measured by

@@ -670,6 +670,30 @@ async def test_metrics_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyP
     assert threads and threading.current_thread() not in threads
 
 
+async def test_a_large_json_answer_is_parsed_off_the_event_loop(respx_mock, client, monkeypatch) -> None:
+    """/server_info (46 KB in SGLang 0.5.23) is ~1 ms of ``json.loads``: on the pollers' own thread,
+    never the loop's, where it would hold every request behind it at each engine start."""
+    import threading
+
+    import sidecar.signals.engine as engine_module
+    from sidecar.signals.worker import THREAD_NAME_PREFIX
+
+    parsed: list[tuple[int, threading.Thread]] = []
+    real = engine_module.json_of
+
+    def spy(content: bytes) -> object:
+        parsed.append((len(content), threading.current_thread()))
+        return real(content)
+
+    monkeypatch.setattr(engine_module, "json_of", spy)
+    mock_engine(respx_mock)
+    signals = await scraper(client).poll_once()
+    assert signals.chunked_prefill_size == 8192  # read from /server_info, parsed where it was parsed
+    big = [thread for size, thread in parsed if size >= engine_module.JSON_OFF_LOOP_BYTES]
+    assert len(json.dumps(SERVER_INFO)) >= engine_module.JSON_OFF_LOOP_BYTES and big
+    assert all(t is not threading.current_thread() and t.name.startswith(THREAD_NAME_PREFIX) for t in big)
+
+
 def test_the_line_filter_changes_no_reading(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dropping the series nobody reads before parsing gives the same reading on every fixture."""
     import sidecar.signals.engine as engine_module
