@@ -13,8 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sidecar.core.rules import CostModel
+from sidecar.core.values import fast_init
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Shape:
     """What the terms may depend on."""

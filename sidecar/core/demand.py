@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 from sidecar.core.cost import project_bytes, project_own, project_samples, shape
 from sidecar.core.rules import Rules
+from sidecar.core.values import fast_init
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Demand:
     """A frozen value; ``build`` is the only place that derives its quantities."""

@@ -45,6 +45,7 @@ from typing import Any
 
 import orjson
 
+from sidecar.core.values import fast_init
 from sidecar.intake.idscan import CountedIds, JsonText, find_ids, find_text
 from sidecar.policy.priority import OPEN, PriorityBounds
 
@@ -131,6 +132,7 @@ class BadRequest(Exception):
         )
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """What admission needs from one generation request, read once from its body.

@@ -60,6 +60,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from sidecar.core.values import fast_init
 from sidecar.intake.body import GenerationRequest
 from sidecar.intake.idscan import JsonText
 
@@ -82,6 +83,7 @@ EngineTokenize = Callable[[dict[str, Any]], Awaitable[int | None]]
 _TEXT_PART_TYPES = frozenset({"text", "input_text"})
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TokenCount:
     """A prompt's token count; ``exact`` is False when it is an upper bound, ``method`` says how."""
