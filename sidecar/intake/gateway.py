@@ -26,7 +26,11 @@ __all__ = ["DEFAULT_GATEWAY_FIELDS", "gateway_fields_in", "without_fields"]
 
 def gateway_fields_in(obj: Mapping[str, Any], names: Iterable[str]) -> tuple[str, ...]:
     """The gateway-only fields the body sets (a null counts as unset: it is SGLang's default)."""
-    return tuple(name for name in names if obj.get(name) is not None)
+    found: tuple[str, ...] = ()
+    for name in names:  # on every gated request: a loop, and nothing built when none is set
+        if obj.get(name) is not None:
+            found += (name,)
+    return found
 
 
 def without_fields(body: bytes | bytearray, names: Iterable[str]) -> bytes:
