@@ -103,3 +103,29 @@ def test_only_frozen_slotted_dataclasses() -> None:
 
     with pytest.raises(TypeError):
         fast_init(Loose)
+
+
+def test_a_gpu_readings_least_free_is_taken_once_and_follows_its_devices() -> None:
+    """``GpuSignals.free_bytes`` is computed at construction (every decision reads it): it must be the
+    least free over the devices, follow a ``replace``, and not enter equality."""
+    from sidecar.core.snapshot import DeviceMemory, GpuSignals
+
+    a, b = DeviceMemory("0", 5, 10), DeviceMemory("1", 3, 10)
+    g = GpuSignals(1.0, "file:x", (a, b))
+    assert g.free_bytes == 3
+    assert dataclasses.replace(g, devices=(a,)).free_bytes == 5
+    assert GpuSignals(1.0, "file:x").free_bytes is None
+    assert g == GpuSignals(1.0, "file:x", (a, b)) and hash(g) == hash(GpuSignals(1.0, "file:x", (a, b)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.free_bytes = 1  # type: ignore[misc]
+
+
+def test_a_projection_by_its_arguments_is_the_projection_of_its_shape() -> None:
+    """``cost.project_shape`` (memoised by its arguments) against ``project_bytes(shape(...))``."""
+    from sidecar.core.cost import project_bytes, project_shape, shape
+    from sidecar.core.rules import CostModel
+
+    c = CostModel(1 << 20, 1024, 3, 2, 1 << 30, 1.25, chunk_context_bytes=0.5, logprob_bytes_per_token=7)
+    for args in [(1, 1, 8192), (0, 0, 8192), (50_000, 12_000, 8192, 4, 900), (9, 0, 4), (9, 9, 4, 1, 9)]:
+        for _ in range(2):  # the second from the memo
+            assert project_shape(c, *args) == project_bytes(c, shape(*args))
