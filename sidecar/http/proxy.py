@@ -251,34 +251,20 @@ class Proxy:
         ``rids``: where the request's rids are put once it holds them (the caller lets them go)."""
         a = self.admission
         bounds = a.policy.priority.bounds
-        headers = _headers_dict(scope, _parser_header_names(bounds.class_header))
-        limit = a.policy.limits.max_body_bytes
-        shape = route.shape if route is not None and route.shape else None
+        args = (scope["path"], body, _headers_dict(scope, _parser_header_names(bounds.class_header)))
+        options = {
+            "max_body_bytes": a.policy.limits.max_body_bytes,
+            "accept_emulator": self.trust_declared_sizes,
+            "priority": bounds,
+            "shape": route.shape if route is not None and route.shape else None,
+        }
         try:
             # A 500K-token prompt is MBs of JSON (tens of ms to decode): off the loop, so other requests
             # and the pollers do not wait behind it. Small bodies are cheaper parsed in place.
             if len(body) > PARSE_IN_THREAD_BYTES:
-                parse = functools.partial(
-                    parse_generation,
-                    scope["path"],
-                    body,
-                    headers,
-                    max_body_bytes=limit,
-                    accept_emulator=self.trust_declared_sizes,
-                    priority=bounds,
-                    shape=shape,
-                )
-                req = await asyncio.to_thread(parse)
+                req = await asyncio.to_thread(functools.partial(parse_generation, *args, **options))
             else:
-                req = parse_generation(
-                    scope["path"],
-                    body,
-                    headers,
-                    max_body_bytes=limit,
-                    accept_emulator=self.trust_declared_sizes,
-                    priority=bounds,
-                    shape=shape,
-                )
+                req = parse_generation(*args, **options)
         except BadRequest as e:
             rid = sent_id or new_request_id()
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
