@@ -129,3 +129,27 @@ def test_a_projection_by_its_arguments_is_the_projection_of_its_shape() -> None:
     for args in [(1, 1, 8192), (0, 0, 8192), (50_000, 12_000, 8192, 4, 900), (9, 0, 4), (9, 9, 4, 1, 9)]:
         for _ in range(2):  # the second from the memo
             assert project_shape(c, *args) == project_bytes(c, shape(*args))
+
+
+@pytest.mark.parametrize(
+    ("cls", "where", "order"),
+    [
+        (
+            Situation,
+            "admission/controller.py: Admission.situation",
+            "rules snapshot ledger now held queued ahead draining held_tokens prefill_tokens_per_s "
+            "join_settles_at verifies_hits",
+        ),
+        (
+            Demand,
+            "core/demand.py: build",
+            "request_id prompts sequences prompt_tokens exact cached_tokens uncached_tokens max_new_tokens "
+            "kv_tokens mamba_slots projected_bytes chunk_size priority arrived_at deadline own_schedule "
+            "logprob_start",
+        ),
+    ],
+)
+def test_values_built_positionally_keep_their_field_order(cls: type, where: str, order: str) -> None:
+    """These are built positionally on every gated request (cheaper than by keyword): a field added
+    or moved must be added or moved there too, or every later field takes its neighbour's value."""
+    assert [f.name for f in dataclasses.fields(cls)] == order.split(), f"update {where} (positional)"
