@@ -166,6 +166,7 @@ PHASES = (
     ("sidecar.http.proxy.Proxy", "_upstream_target"),
     ("sidecar.http.proxy", "_response_headers"),
     ("sidecar.intake.tokens.PromptCounter", "count"),
+    ("sidecar.intake.tokens.PromptCounter", "count_now"),
     ("sidecar.admission.controller.Handle", "submit"),
     ("sidecar.admission.controller", "decide"),
     ("sidecar.admission.controller.Admission", "situation"),

@@ -440,12 +440,19 @@ class SidecarApp:
             cached = self._context_cache = (snap, a.loaded, a.shadow, *_snapshot_context(a, snap))
         _, _, _, head, engine, gpu = cached
         e, g = snap.engine, snap.gpu
-        return {
-            **head,
-            "held": a.held,
-            "engine": None if e is None else {**engine, "age_s": _round(max(0.0, now - e.observed_at))},
-            "gpu": None if g is None else {**gpu, "age_s": _round(max(0.0, now - g.observed_at))},
-        }
+        context = head.copy()  # policy, mode
+        context["held"] = a.held
+        if e is None:
+            context["engine"] = None
+        else:
+            context["engine"] = fields = engine.copy()
+            fields["age_s"] = round(max(0.0, now - e.observed_at), 3)
+        if g is None:
+            context["gpu"] = None
+        else:
+            context["gpu"] = fields = gpu.copy()
+            fields["age_s"] = round(max(0.0, now - g.observed_at), 3)
+        return context
 
     # -- policy -----------------------------------------------------------------------------------
 
@@ -627,7 +634,3 @@ def _snapshot_context(a: Admission, snap: Snapshot) -> tuple[dict[str, Any], dic
     }  # fmt: skip
     gpu = {} if g is None else {"free_bytes": g.free_bytes}
     return head, engine, gpu
-
-
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 3)

@@ -542,3 +542,49 @@ async def test_a_large_text_left_in_its_body_has_the_same_bounds_as_its_str() ->
     assert await counter.count(big) == await counter.count(small)  # the bytes bound, exact UTF-8 size
     engine_counter = PromptCounter(ENGINE_ON, engine_tokenize=FakeEngine())
     assert engine_counter.bound(big) == engine_counter.bound(small) is not None
+
+
+# --- the count without a coroutine (PromptCounter.count_now: the proxy's common case) ------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": "the cat sat on the mat", "emulator": {"prompt_tokens": 40}},
+        {"input_ids": [1, 2, 3]},
+        {"input_ids": [[1, 2], [3]]},
+        {"input_embeds": [[0.1, 0.2], [0.3, 0.4]]},
+        TEXT,
+        {"text": ["the cat", "a dog"]},
+        {"text": "the cat", "image_data": ["a", "b"]},
+    ],
+)
+@pytest.mark.parametrize("setup", ["bytes only", "tokenizer", "engine"])
+@pytest.mark.parametrize("verdict", [None, True, False])
+async def test_count_now_answers_as_count_or_leaves_it_to_count(
+    tokenizer_path: Path, body: dict[str, Any], setup: str, verdict: bool | None
+) -> None:
+    """Whatever ``count_now`` answers is what ``count`` answers; where it answers None, ``count``
+    without ``admits`` answers what ``count`` with it would (``admits`` was asked once, and said no or
+    had no bound to judge). The proxy relies on both (``_decide``)."""
+    config = {
+        "bytes only": CounterConfig(),
+        "tokenizer": CounterConfig(tokenizer_path=tokenizer_path),
+        "engine": ENGINE_ON,
+    }[setup]
+    counter = PromptCounter(config, engine_tokenize=FakeEngine())
+    r = req("/generate", body)
+    asked: list[TokenCount] = []
+
+    def admits(c: TokenCount) -> bool:
+        asked.append(c)
+        return bool(verdict)
+
+    want = await counter.count(r, admits=None if verdict is None else admits)
+    asked.clear()
+    now = counter.count_now(r, admits=None if verdict is None else admits)
+    assert len(asked) <= 1
+    got = now if now is not None else await counter.count(r)
+    assert got == want
+    if setup == "bytes only":
+        assert now is not None  # no tokenizer and no engine: never a coroutine

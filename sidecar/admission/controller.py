@@ -300,23 +300,22 @@ class Admission:
     ) -> Situation:
         """What the decision reads now, besides the request (``own_tokens``: a held request's own,
         left out of the held total, which the decision counts once as the request's)."""
+        rules, queue = self.rules, self._queue
+        # Positional, in ``Situation``'s field order: built once per decision (issue #27).
         return Situation(
-            self.rules,
+            rules,
             self.snapshot,
             self.ledger.totals,
             self.clock.now(),
-            held=self.held,
-            queued=queued,
-            ahead=ahead,
-            draining=self.draining,
-            held_tokens=self._queue.tokens - own_tokens,
-            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
-            join_settles_at=self._join_at,
-            verifies_hits=(
-                self.rules.experimental.own_schedule_pricing
-                and self._guarding
-                and self.progress.counter is not None
-            ),
+            queue.live,  # held
+            queued,
+            ahead,
+            self.draining,
+            queue.tokens - own_tokens,  # held_tokens
+            self.prefill_rate.tokens_per_s,
+            self._join_at,  # join_settles_at
+            # verifies_hits
+            rules.experimental.own_schedule_pricing and self._guarding and self.progress.counter is not None,
         )
 
     # -- the request path -------------------------------------------------------------------------
@@ -482,7 +481,8 @@ class Admission:
         h.demand = demand
         h.sort_key = self._sort_key(demand)
         h.waited_s = self._waited(h)
-        d = decide(demand, self.situation(ahead=self._ahead_of(h.sort_key)))
+        ahead = self._ahead_of(h.sort_key) if self._queue.live else None
+        d = decide(demand, self.situation(ahead=ahead))
         if self.shadow and d.action is not Action.ADMIT:
             # Shadow mode: record what enforcement would have done, then forward anyway.
             self.observer.decision(d, demand, h.waited_s, self.ledger.totals)
@@ -603,30 +603,27 @@ class Admission:
         return self.clock.now() - h.demand.arrived_at
 
     def _admit(self, h: Handle, d: Decision) -> None:
-        assert h.demand is not None
-        h.decision, h.waited_s = d, self._waited(h)
-        if not len(self.ledger):
-            self.prefill_rate.busy(self.clock.now())
+        demand = h.demand
+        assert demand is not None
+        now = self.clock.now()
+        h.decision, h.waited_s = d, now - demand.arrived_at
+        ledger, charge = self.ledger, d.charge
+        if not len(ledger):
+            self.prefill_rate.busy(now)
             if self._quiet:
                 self._busy()
         if not self._prefilling:
             self.progress.started()
-        h._key = self.ledger.charge(d.charge)
-        if d.charge.own_prefills:  # priced by its own chunk schedule: the guard prices it so too
-            h.demand = replace(h.demand, own_schedule=True)
-        self._prefilling[h._key] = h
-        self.progress.admitted(h._key, h.demand.uncached_tokens)
+        h._key = key = ledger.charge(charge)
+        if charge.own_prefills:  # priced by its own chunk schedule: the guard prices it so too
+            h.demand = demand = replace(demand, own_schedule=True)
+        self._prefilling[key] = h
+        self.progress.admitted(key, demand.uncached_tokens)
+        totals = ledger.totals
         tracked = self.progress.counter is not None
-        self.watch.charged(
-            h._key,
-            h.demand.request_id,
-            self.ledger.totals,
-            self.rules.cost,
-            tracked,
-            d.charge.projected_bytes,
-        )
+        self.watch.charged(key, demand.request_id, totals, self.rules.cost, tracked, charge.projected_bytes)
         if h.shadow_reject is None:
-            self.observer.decision(d, h.demand, h.waited_s, self.ledger.totals)
+            self.observer.decision(d, demand, h.waited_s, totals)
 
     def _reject(self, h: Handle, d: Decision) -> None:
         assert h.demand is not None
@@ -648,19 +645,22 @@ class Admission:
                 self.watch.admitted_set(self.ledger.totals, self.rules, self.snapshot, self.clock.now())
             )
         if h._key is not None:
-            prefilling = h._key in self._prefilling
-            self._left_prefill(h._key)
-            self.ledger.release(h._key)
+            key = h._key
+            prefilling = key in self._prefilling
+            if prefilling:
+                self._left_prefill(key)
+            self.ledger.release(key)
             if prefilling:
                 self._join_moved(joins=False)
-            self.watch.ended(h._key, self.clock.now())
+            now = self.clock.now()
+            self.watch.ended(key, now)
             h._key = None
-            self._released_at = self.clock.now()
+            self._released_at = now
         self.observer.outcome(outcome)
-        if changed:
-            self.pump()
-        if admitted:
-            self._want_report()
+        if changed and self._queue.live:
+            self.pump()  # nothing held: nothing to decide again
+        if admitted and self._queue.live:
+            self._want_report()  # report_wanted() is False while nothing is held
 
     def report_wanted(self) -> bool:
         """Should the engine (and the GPU) be read sooner than the poll interval now?
@@ -690,7 +690,8 @@ class Admission:
             )
             if measured and h.decision is not None:
                 self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())
-            self.pump()
+            if self._queue.live:
+                self.pump()  # nothing held: nothing to decide again
 
     def _join_moved(self, *, joins: bool) -> None:
         """An admitted prefill ended (``joins``: a stream's first token that joins a running batch):

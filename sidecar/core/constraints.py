@@ -21,8 +21,10 @@ from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import ExceedAction, LimitRules, Rules
 from sidecar.core.snapshot import EngineSignals
+from sidecar.core.values import fast_init
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Reading:
     """What the constraints read, assembled once per decision by ``decide``."""

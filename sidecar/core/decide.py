@@ -19,8 +19,10 @@ from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import ExceedAction, Rules, SignalRules, VramRules
 from sidecar.core.snapshot import GpuSignals, Snapshot
+from sidecar.core.values import fast_init
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Situation:
     """Everything but the request: the policy, the signals, the ledger, the clock and the queue."""

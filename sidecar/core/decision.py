@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from sidecar.core.values import fast_init
+
 
 class Action(StrEnum):
     ADMIT = "admit"
@@ -34,6 +36,7 @@ class Reason(StrEnum):
 STRICT_ORDER = "strict_order"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Check:
     """One step's verdict with the numbers that decided it (for explain and the decision log)."""
@@ -63,6 +66,7 @@ class Booked:
     own_prefills: int = 0
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Charge(Booked):
     """What the ledger books for an admitted request until its prefill is done.
@@ -74,6 +78,7 @@ class Charge(Booked):
     sequences: int = 1
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     action: Action

@@ -20,10 +20,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sidecar.core.cost import project_bytes, project_own, project_samples, shape
+from sidecar.core.cost import project_own, project_samples, project_shape
 from sidecar.core.rules import Rules
+from sidecar.core.values import fast_init
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Demand:
     """A frozen value; ``build`` is the only place that derives its quantities."""
@@ -96,28 +98,29 @@ def build(
     uncached = prompt_tokens - cached
     prompts = max(1, prompts)
     sequences = prompts * max(1, samples)
-    projected = project_bytes(rules.cost, shape(prompt_tokens, uncached, chunk, sequences, logprob_tokens))
+    projected = project_shape(rules.cost, prompt_tokens, uncached, chunk, sequences, logprob_tokens)
     if sequences > prompts:
         projected = max(projected, project_samples(rules.cost, prompt_tokens, prompts, sequences // prompts))
     max_new = max(0, max_new_tokens or 0)
+    # Positional, in the fields' order (built per request: issue #27), each named beside it.
     return Demand(
-        request_id=request_id,
-        prompts=prompts,
-        sequences=sequences,
-        prompt_tokens=prompt_tokens,
-        exact=exact,
-        cached_tokens=cached,
-        uncached_tokens=uncached,
-        max_new_tokens=max_new,
-        kv_tokens=uncached + math.ceil(rules.kv.decode_reserve_fraction * max_new * sequences),
-        mamba_slots=_mamba_slots(rules, prompt_tokens, prompts, sequences),
-        projected_bytes=projected,
-        chunk_size=chunk,
-        priority=priority or 0,
-        arrived_at=arrived_at,
-        deadline=arrived_at + rules.hold.max_wait_s,
-        own_schedule=own_schedule,
-        logprob_start=logprob_start,
+        request_id,
+        prompts,
+        sequences,
+        prompt_tokens,
+        exact,
+        cached,  # cached_tokens
+        uncached,  # uncached_tokens
+        max_new,  # max_new_tokens
+        uncached + math.ceil(rules.kv.decode_reserve_fraction * max_new * sequences),  # kv_tokens
+        _mamba_slots(rules, prompt_tokens, prompts, sequences),  # mamba_slots
+        projected,  # projected_bytes
+        chunk,  # chunk_size
+        priority or 0,  # priority
+        arrived_at,
+        arrived_at + rules.hold.max_wait_s,  # deadline
+        own_schedule,
+        logprob_start,
     )
 
 

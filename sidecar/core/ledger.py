@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from itertools import count
 
 from sidecar.core.decision import Booked, Charge
+from sidecar.core.values import fast_init
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LedgerTotals(Booked):
     """The sums over the requests still prefilling (the booked quantities, ``decision.Booked``), and
@@ -27,6 +29,7 @@ class LedgerTotals(Booked):
     running_mamba_slots: int = 0
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class _Entry:
     charge: Charge

@@ -89,10 +89,12 @@ class GpuSignals:
     observed_at: float
     source: str
     devices: tuple[DeviceMemory, ...] = field(default_factory=tuple)
+    # The least free over the devices (None without any): read by every decision, so taken once per
+    # reading, not per request (issue #27).
+    free_bytes: int | None = field(init=False, repr=False, compare=False)
 
-    @property
-    def free_bytes(self) -> int | None:
-        return min((d.free_bytes for d in self.devices), default=None)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "free_bytes", min((d.free_bytes for d in self.devices), default=None))
 
     @property
     def total_bytes(self) -> int | None:

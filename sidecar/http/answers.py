@@ -90,18 +90,16 @@ def decision_fields(d: Decision, demand: Demand) -> dict[str, Any]:
         "projected_bytes": demand.projected_bytes,
         "headroom_bytes": d.headroom_bytes,
         "retry_after_s": d.retry_after_s,
-        "checks": [
-            {
-                "name": c.name,
-                "ok": c.ok,
-                "need": c.need,
-                "have": c.have,
-                "note": c.note or None,
-                **({"limit": c.limit} if c.limit else {}),
-            }
-            for c in d.checks
-        ],
+        "checks": [_check_fields(c) for c in d.checks],
     }
+
+
+def _check_fields(c: Check) -> dict[str, Any]:
+    """One check of :func:`decision_fields` (``limit`` only where the check names one)."""
+    fields = {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
+    if c.limit:
+        fields["limit"] = c.limit
+    return fields
 
 
 def unfit_check(d: Decision) -> Check | None:

@@ -198,8 +198,32 @@ class Proxy:
         route: Route | None = None,
         sent_id: str | None = None,
     ) -> None:
+        """Decide and forward. One coroutine (not one around another): every resumption of the
+        upstream request passes through each frame of the stack (issue #27)."""
+        rids: list[str] = []
         try:
-            await self._admit_and_forward(scope, body, send, handle, route, sent_id)
+            try:
+                if not self.turns.let_in():
+                    await self.turns.wait()
+                admitted = await self._decide(scope, body.data, send, handle, route, sent_id, rids)
+                if admitted is not None:
+                    task = asyncio.current_task()
+                    assert task is not None
+                    handle.on_overrun(lambda h: task.cancel(_OVERRUN))
+                    # The parsed request, its count and demand died with _decide's frame; a large body's
+                    # raw bytes go once they are written to the engine, not after a stream's minutes.
+                    extra, forward = admitted
+                    stripped = forward.pop("body", None)
+                    if stripped is not None:
+                        body = _Body(stripped)
+                    await self._forward(
+                        scope, body.payload(), send, handle, extra, length=len(body), **forward
+                    )
+            finally:  # the rids go before any answer below is sent
+                for rid in rids:
+                    left = self._rids.pop(rid) - 1
+                    if left:
+                        self._rids[rid] = left
         except asyncio.CancelledError:
             if handle.outcome is Outcome.PREFILL_OVERRUN and _overrun_cancel():
                 # The in-flight guard stopped it before its first byte (core/overrun.py): the upstream
@@ -212,31 +236,6 @@ class Proxy:
                 )
                 return
             raise
-
-    async def _admit_and_forward(
-        self, scope: Scope, body: _Body, send: Send, handle: Handle, route: Route | None, sent_id: str | None
-    ) -> None:
-        rids: list[str] = []
-        try:
-            if not self.turns.let_in():
-                await self.turns.wait()
-            admitted = await self._decide(scope, body.data, send, handle, route, sent_id, rids)
-            if admitted is not None:
-                task = asyncio.current_task()
-                assert task is not None
-                handle.on_overrun(lambda h: task.cancel(_OVERRUN))
-                # The parsed request, its count and demand died with _decide's frame; a large body's raw
-                # bytes go once they are written to the engine, not after the minutes a stream takes.
-                extra, forward = admitted
-                stripped = forward.pop("body", None)
-                if stripped is not None:
-                    body = _Body(stripped)
-                await self._forward(scope, body.payload(), send, handle, extra, length=len(body), **forward)
-        finally:
-            for rid in rids:
-                left = self._rids.pop(rid) - 1
-                if left:
-                    self._rids[rid] = left
 
     async def _decide(
         self,
@@ -279,9 +278,13 @@ class Proxy:
             handle.end(Outcome.BAD_REQUEST)
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
             return None
-        count = await self.counter.count(req, admits=self._admits_now(req))
+        # No coroutine where the count needs no wait (ids, the bound the gate takes, no tokenizer).
+        count = self.counter.count_now(req, admits=self._admits_now(req)) or await self.counter.count(req)
         demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=rid)
-        if not await _acquire(handle, demand):
+        answered = _submit(handle, demand)
+        if answered is not None:
+            await answered  # held: the gate answers later
+        if not handle.admitted:
             assert handle.decision is not None
             answer = rejection_response(handle.decision, demand, handle.waited_s, a.policy.answers)
             await send_response(send, answer)
@@ -526,12 +529,13 @@ class _Turns:
             asyncio.get_running_loop().call_soon(self._next_turn)
 
 
-async def _acquire(handle: Handle, demand: Demand) -> bool:
-    """Submit and, when held, wait for the gate's answer; True when admitted.
+def _submit(handle: Handle, demand: Demand) -> asyncio.Future[None] | None:
+    """Submit; when held, the future the gate's answer (admit or refuse) sets, else None (decided).
 
-    A client that leaves while held cancels this task, and the handle's exit records ``client_gone``:
-    that releases the charge if the gate admitted it in the same instant (a poll or a release pumped
-    the queue before this task woke), or leaves the queue if not.
+    A client that leaves while held cancels the task awaiting it, and the handle's exit records
+    ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or a
+    release pumped the queue before this task woke), or leaves the queue if not. Not a coroutine: a
+    request decided at once (nearly all) awaits nothing here (issue #27).
     """
     answered: asyncio.Future[None] | None = None
 
@@ -543,8 +547,7 @@ async def _acquire(handle: Handle, demand: Demand) -> bool:
     # the future is made only for the few requests that wait.
     if handle.submit(demand, on_done) is Action.HOLD:
         answered = asyncio.get_running_loop().create_future()
-        await answered
-    return handle.admitted
+    return answered
 
 
 # The cancellation message of a request the in-flight guard stopped (Handle.on_overrun): for whoever

@@ -35,6 +35,7 @@ clients can refuse to honour it (``accept_emulator=False``): the real prompt is 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -45,6 +46,7 @@ from typing import Any
 
 import orjson
 
+from sidecar.core.values import fast_init
 from sidecar.intake.idscan import CountedIds, JsonText, find_ids, find_text
 from sidecar.policy.priority import OPEN, PriorityBounds
 
@@ -131,6 +133,7 @@ class BadRequest(Exception):
         )
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """What admission needs from one generation request, read once from its body.
@@ -188,10 +191,12 @@ class GenerationRequest:
     body_obj: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
+@functools.lru_cache(maxsize=256)
 def endpoint_kind(path: str) -> str | None:
     """Which request shape a path carries: ``generate``, ``completions``, ``chat`` or None.
 
     Matched by suffix so ``/lane-a/v1/chat/completions`` behind a path-prefix router still parses.
+    Once per path (a lane's gated paths are few; the cache is bounded for any other caller).
     """
     bare = path.split("?", 1)[0].rstrip("/")
     if bare.endswith("/chat/completions"):
@@ -232,10 +237,12 @@ def parse_generation(
     Parsing a 32 MB body takes tens of milliseconds; a proxy that must not stall its event loop for
     that long can call this through ``asyncio.to_thread`` (it is pure and thread-safe).
     """
-    obj = _lifted(body) if len(body) >= LIFT_IDS_BYTES and len(body) <= max_body_bytes else None
-    obj = obj or _load_object(body, max_body_bytes)
+    # Only a lifted body holds a CountedIds or JsonText (an ordinary JSON body cannot).
+    obj = _lifted(body) if LIFT_IDS_BYTES <= len(body) <= max_body_bytes else None
+    lifted = obj is not None
+    if obj is None:
+        obj = _load_object(body, max_body_bytes)
     kind = shape or endpoint_kind(path) or _kind_from_keys(obj)
-    lifted = isinstance(obj.get("input_ids"), CountedIds) or isinstance(obj.get("text"), JsonText)
     if lifted and kind not in ("generate", "embedding"):
         obj = _load_object(body, max_body_bytes)  # a shape that reads input_ids otherwise, if at all
     if kind is None:
@@ -327,11 +334,12 @@ def _lifted(body: bytes) -> dict[str, Any] | None:
 def _load_object(body: bytes, max_body_bytes: int) -> dict[str, Any]:
     if len(body) > max_body_bytes:
         raise BadRequest.body_too_large(len(body), max_body_bytes)
-    if not body.strip():
-        raise BadRequest(400, "body is empty; expected a JSON object", "invalid_json")
     try:
         obj = _fast_loads(body)
     except orjson.JSONDecodeError:
+        # Looked at only when the body did not parse (``strip`` copies it: 32 MB for the largest).
+        if not body.strip():
+            raise BadRequest(400, "body is empty; expected a JSON object", "invalid_json") from None
         obj = _MISSING
     try:
         if obj is _MISSING:
@@ -757,8 +765,18 @@ def _generate(obj: dict[str, Any], common: dict[str, Any], declared: bool) -> Ge
         input_embeds_tokens=embeds_tokens,
         n_texts=prompt.n_texts,
         parallel_samples=samples,
-        media_items=sum(_count_media(obj.get(key)) for key in _MEDIA_KEYS),
+        media_items=_media_items(obj),
     )
+
+
+def _media_items(obj: dict[str, Any]) -> int:
+    """``image_data``, ``video_data`` and ``audio_data`` items (a text-only body has none of the keys)."""
+    items = 0
+    for key in _MEDIA_KEYS:
+        value = obj.get(key)
+        if value is not None:
+            items += _count_media(value)
+    return items
 
 
 def _logprob_start(obj: dict[str, Any]) -> int | None:

@@ -14,6 +14,7 @@ what a client's copy gets: refused (400), stripped, or passed (a lane behind a g
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -26,7 +27,18 @@ __all__ = ["DEFAULT_GATEWAY_FIELDS", "gateway_fields_in", "without_fields"]
 
 def gateway_fields_in(obj: Mapping[str, Any], names: Iterable[str]) -> tuple[str, ...]:
     """The gateway-only fields the body sets (a null counts as unset: it is SGLang's default)."""
-    return tuple(name for name in names if obj.get(name) is not None)
+    if isinstance(names, tuple) and _name_set(names).isdisjoint(obj):
+        return ()  # every request but a gateway's: one set operation, no lookup per name
+    found: tuple[str, ...] = ()
+    for name in names:  # on every gated request: a loop, and nothing built when none is set
+        if obj.get(name) is not None:
+            found += (name,)
+    return found
+
+
+@functools.lru_cache(maxsize=16)
+def _name_set(names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(names)
 
 
 def without_fields(body: bytes | bytearray, names: Iterable[str]) -> bytes:

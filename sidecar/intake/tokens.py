@@ -60,6 +60,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from sidecar.core.values import fast_init
 from sidecar.intake.body import GenerationRequest
 from sidecar.intake.idscan import JsonText
 
@@ -82,6 +83,7 @@ EngineTokenize = Callable[[dict[str, Any]], Awaitable[int | None]]
 _TEXT_PART_TYPES = frozenset({"text", "input_text"})
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class TokenCount:
     """A prompt's token count; ``exact`` is False when it is an upper bound, ``method`` says how."""
@@ -362,17 +364,9 @@ class PromptCounter:
         ``admits``: would the gate admit a request of this many tokens right now? When it says yes
         to the strict :meth:`bound`, that bound is the answer and nothing is tokenized.
         """
-        if req.declared_prompt_tokens is not None:
-            return TokenCount(req.declared_prompt_tokens, True, "declared")
-        if req.input_embeds_tokens is not None:
-            return TokenCount(req.input_embeds_tokens, True, "input_embeds")
-        if req.prompt_token_ids is not None:
-            return TokenCount(len(req.prompt_token_ids), True, "input_ids")
-        if req.batch_token_ids:
-            return TokenCount(sum(len(ids) for ids in req.batch_token_ids), True, "input_ids")
-        if admits is not None and (upper := self.bound(req)) is not None and admits(upper):
-            return upper
-
+        found = self.count_now(req, admits=admits)
+        if found is not None:
+            return found
         if req.messages is not None:
             return await self._count_chat(req)
         texts = [req.prompt_text] if req.prompt_text is not None else list(req.batch_texts)
@@ -398,6 +392,32 @@ class PromptCounter:
             else:
                 return TokenCount(total + media, exact, "engine")
         return TokenCount(self._bytes_bound(texts) + media, False, "bytes")
+
+    def count_now(
+        self, req: GenerationRequest, *, admits: Callable[[TokenCount], bool] | None = None
+    ) -> TokenCount | None:
+        """What :meth:`count` answers without waiting for anything (the proxy's common case: no
+        coroutine per request): the body's own count (declared, embeddings, ids), the bound ``admits``
+        takes, or the byte bound where there is neither a tokenizer nor an engine to ask. None where
+        :meth:`count` would tokenize or ask the engine (then call it, without ``admits``: asked here)."""
+        if req.declared_prompt_tokens is not None:
+            return TokenCount(req.declared_prompt_tokens, True, "declared")
+        if req.input_embeds_tokens is not None:
+            return TokenCount(req.input_embeds_tokens, True, "input_embeds")
+        if req.prompt_token_ids is not None:
+            return TokenCount(len(req.prompt_token_ids), True, "input_ids")
+        if req.batch_token_ids:
+            return TokenCount(sum(len(ids) for ids in req.batch_token_ids), True, "input_ids")
+        if admits is not None and (upper := self.bound(req)) is not None and admits(upper):
+            return upper
+        if req.messages is not None or self._tokenizer is not None or self.engine_tokenize_available:
+            return None
+        texts = [req.prompt_text] if req.prompt_text is not None else list(req.batch_texts)
+        if not texts:
+            return None  # count() says why
+        return TokenCount(
+            self._bytes_bound(texts) + req.media_items * self.config.tokens_per_media_item, False, "bytes"
+        )
 
     # --- chat --------------------------------------------------------------------------------
 
