@@ -8,12 +8,15 @@ time) on the emulated lane with its transients scaled, as the robustness block r
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from sidecar.admission.lane_watch import LaneWatch, draw_bracket, raised_margin
-from sidecar.core.cost import project_bytes, shape
+from sidecar.core import demand
+from sidecar.core.cost import project_at_progress, project_bytes, shape
+from sidecar.core.overrun import Prefill, done_bytes
 from sidecar.policy.in_force import rules_of
 from sidecar.policy.schema import LoadedPolicy, Monitor, load_policy_file
 from sidecar_emulator.profiles import MiB, get_profile
@@ -40,6 +43,28 @@ def test_two_readings_that_pin_the_same_draw_keep_the_bracket_narrow() -> None:
     # A real change (x1.10) is beyond any rounding: the bracket starts again from it.
     changed = draw_bracket(round(1.10 * terms), terms, growth, b, rounding=2 * MiB)
     assert changed is not None and changed[0] > 1.09
+
+
+def test_what_the_engine_surely_holds_bounds_the_draw_from_above() -> None:
+    # 532 MiB shown; the engine holds at least the 507 MiB of the chunk after those counted done: the
+    # draw is at most x1.05, wherever the projection (545 MiB, the allowance's reach) ran ahead to.
+    b = draw_bracket(round(1.05 * 507 * MiB), 545 * MiB, 37 * MiB, None, rounding=2 * MiB, below=507 * MiB)
+    assert b is not None and b[1] == pytest.approx(1.05) and b[0] < 1.0
+    # Nothing surely held (before the counter shows its first batch): no bound.
+    assert draw_bracket(100 * MiB, 545 * MiB, 37 * MiB, None, below=0) is None
+
+
+def test_the_least_a_lone_prefill_holds_is_the_chunk_after_those_counted() -> None:
+    r = rules_of(lane_policy().policy)
+    d = demand.build(r, 100_000, arrived_at=0.0, request_id="r1")
+    c = r.cost
+    # Counted 16,384 tokens done: the engine runs (or ran) the chunk ending at 24,576.
+    p = Prefill(1, d, done_tokens=30_000, started=True, counted_tokens=16_384)
+    assert done_bytes([p], c) == project_at_progress(c, 100_000, 100_000, 8192, 16_384, 0)
+    assert done_bytes([p], c) == project_bytes(c, shape(24_576, 100_000, 8192))
+    assert done_bytes([replace(p, started=False, counted_tokens=0)], c) == 0  # not run yet: nothing sure
+    assert done_bytes([replace(p, counted_tokens=None)], c) is None  # no counter
+    assert done_bytes([p, replace(p, key=2)], c) is None  # several: whose chunk runs is not known
 
 
 def test_a_bound_at_the_margin_within_the_allocator_s_rounding_raises_nothing() -> None:

@@ -863,9 +863,10 @@ class LaneWatch:
         now: int,
     ) -> tuple[float | None, float]:
         """The upper bound the readings put on the lane's draw (``draw_bracket``), where they can:
-        readings of one request alone (``lone``, its id), which holds at least ``done`` (the chunks
-        the counter showed done, ``core/overrun.done_bytes``), else its projection at its progress
-        (``now``; 0 once its prefill ended: the peak the reading is compared with) less a chunk. Other readings (several requests, a sum of ended peaks, progress
+        readings of one request alone (``lone``, its id), which holds at least its projection at its
+        progress (``now``; 0 once its prefill ended: the peak the reading is compared with) less a
+        chunk, or ``done`` where that is more (the chunks the counter showed done,
+        ``core/overrun.done_bytes``; 0, nothing sure: no bound). Other readings (several requests, a sum of ended peaks, progress
         unknown) can run ahead by more than a chunk: the bracket is dropped and a finding is priced on
         its draw plus the safety. A bracket is one prefill's: another prompt starts its own (the draw
         may have changed in between unseen, under the allocator's cached peaks: evidence RE1). With
@@ -878,10 +879,11 @@ class LaneWatch:
             self.bracket, self._bracket_of = None, lone
         terms = round(projected / projected_with)
         growth = chunk_growth(self._cost, self._chunk_tokens)
+        # Its projection (in flight: at its progress; else the peak compared with) less a chunk, or
+        # what its counter says it holds where that is more (0: nothing sure before its first batch).
+        below = (round(now / self._charged_with) if now else terms) - growth
         if done is not None:
-            below = round(done / self._charged_with)
-        else:  # its projection (in flight: at its progress; else the peak compared with) less a chunk
-            below = (round(now / self._charged_with) if now else terms) - growth
+            below = max(below, round(done / self._charged_with)) if done else 0
         rounding = self._own.monitor.allocator_block_bytes
         self.bracket = draw_bracket(observed, terms, growth, self.bracket, rounding, below)
         return (None, 0.0) if self.bracket is None else (self.bracket[1], rounding / terms)
