@@ -21,7 +21,8 @@ this same code) and both shown in ``/admission/state``:
   numbers, and, with ``monitor.raise_margin``, the cost margin in force rises to cover it, bounded by
   ``monitor.max_margin``, until the next policy load (a reload is a new calibration). The readings of
   one prefill in flight alone also bound its draw from above (``draw_bracket``): a draw bounded
-  within the margin in force raises nothing (``raised_margin``). With
+  within the margin in force raises nothing (``raised_margin``), and after a raise the in-flight guard
+  judges the prefills already admitted at that bound, without the safety (``in_flight_margin``). With
   ``cost.calibrated_ratio`` the projection a reading is compared with is the fit times that ratio (what
   the calibration saw), not the margin-priced one: the margin's safety above it is what keeps a prompt
   at the edge alive when the lane draws higher than it did when calibrated, so a reading that eats
