@@ -120,7 +120,14 @@ def test_a_finding_reads_as_one_sentence() -> None:
 
 def test_the_state_before_and_after_measuring_and_after_a_finding() -> None:
     w, p, rules = lane(vram__idle_free_bytes="auto")
-    margin = {"policy": 1.0123456, "effective": 1.0123, "raised": False, "since_age_s": None, "why": None}
+    margin = {
+        "policy": 1.0123456,
+        "effective": 1.0123,
+        "in_flight": 1.0123,
+        "raised": False,
+        "since_age_s": None,
+        "why": None,
+    }
     monitor = {
         "underestimates": 0,
         "unprojected_allocations": 0,
@@ -166,6 +173,8 @@ def test_the_state_before_and_after_measuring_and_after_a_finding() -> None:
         "margin": {
             "policy": 1.0123456,
             "effective": 1.3178,
+            # No bracket (progress unknown): the in-flight guard judges at the margin in force too.
+            "in_flight": 1.3178,
             "raised": True,
             "since_age_s": 1.235,
             "why": _why(last),

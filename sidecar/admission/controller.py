@@ -46,6 +46,7 @@ from sidecar.core.overrun import (
     Overrun,
     Prefill,
     PrefillProgress,
+    done_bytes,
     final_bytes,
     in_flight_bytes,
     overruns,
@@ -377,7 +378,12 @@ class Admission:
         defer = bool(prefills) and self.progress.too_old(
             now, self._allowance_rate(), max(p.demand.chunk_size for p in prefills)
         )
-        if self.watch.observe(snap, self.ledger.totals, self.rules, now, in_flight, defer):
+        # What a lone prefill has surely allocated, from the chunks the counter showed done: only for a
+        # counter read no later than the GPU reading (a later one may count chunks run after it).
+        done = None
+        if e is not None and snap.gpu is not None and e.observed_at <= snap.gpu.observed_at:
+            done = done_bytes(prefills, self.watch.priced)
+        if self.watch.observe(snap, self.ledger.totals, self.rules, now, in_flight, defer, done):
             self._apply_rules()
         self._guard()
         self.pump()
@@ -748,10 +754,17 @@ class Admission:
     def _guard(self) -> None:
         """Abort the admitted prefills that no longer fit under the rules now in force (the rule is
         ``core/overrun.overruns``; it runs at every new snapshot and rules change, and finds nothing
-        while nothing tightened). Held requests are re-decided once, after the aborts."""
+        while nothing tightened). Held requests are re-decided once, after the aborts.
+
+        The admitted prefills are priced at what the monitor's findings bound the lane's draw by, not
+        at the margin new admissions get, which adds the safety on top of it
+        (``LaneWatch.in_flight_margin``): one is aborted when the evidence says it will not fit."""
         if not self._guarding or not self._prefilling:
             return
-        found = overruns(self.in_flight(), self.rules, self.snapshot, self.ledger.totals.running_requests)
+        rules, margin = self.rules, self.watch.in_flight_margin
+        if margin < rules.cost.margin:
+            rules = replace(rules, cost=replace(rules.cost, margin=margin))
+        found = overruns(self.in_flight(), rules, self.snapshot, self.ledger.totals.running_requests)
         if not found:
             return
         was, self._pumping = self._pumping, True  # the caller pumps once after every abort

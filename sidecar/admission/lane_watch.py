@@ -21,7 +21,8 @@ this same code) and both shown in ``/admission/state``:
   numbers, and, with ``monitor.raise_margin``, the cost margin in force rises to cover it, bounded by
   ``monitor.max_margin``, until the next policy load (a reload is a new calibration). The readings of
   one prefill in flight alone also bound its draw from above (``draw_bracket``): a draw bounded
-  within the margin in force raises nothing (``raised_margin``). With
+  within the margin in force raises nothing (``raised_margin``), and after a raise the in-flight guard
+  judges the prefills already admitted at that bound, without the safety (``in_flight_margin``). With
   ``cost.calibrated_ratio`` the projection a reading is compared with is the fit times that ratio (what
   the calibration saw), not the margin-priced one: the margin's safety above it is what keeps a prompt
   at the edge alive when the lane draws higher than it did when calibrated, so a reading that eats
@@ -191,6 +192,7 @@ def raised_margin(
     m: MonitorRules,
     ceiling: float | None = None,
     upper: float | None = None,
+    slack: float = 0.0,
 ) -> float:
     """The margin in force after an allocation ``ratio`` times a projection made with the margin
     ``projected_with``: what the lane drew (``projected_with x ratio``, a multiple of the cost terms)
@@ -205,12 +207,15 @@ def raised_margin(
     the safety goes on top of it; with an upper bound at or under ``margin`` (less ``step``, the least
     a policy keeps a margin above a draw) the margin in force already covers every draw the readings
     allow (a lane drawing x1.03 under a margin of 1.05 is within its stated safety): nothing to raise.
-    Beyond it the new margin covers at least the upper bound, and the draw seen times ``1 + safety``."""
+    ``slack``: the allocator's rounding on the reading, as a multiple of its cost terms: a bound that
+    exceeds the margin by no more than that is a lane drawing its margin, seen at the readings'
+    resolution (``excess`` counts no overrun within a block either). Beyond it the new margin covers
+    at least the upper bound, and the draw seen times ``1 + safety``."""
     if not m.raise_margin or math.isinf(ratio):
         return margin
     cap = max(m.max_margin, policy_margin)
     seen = projected_with * ratio
-    if upper is not None and upper + m.step <= margin:
+    if upper is not None and upper + m.step <= margin + slack:
         return margin  # covered by the margin in force: the finding is logged, the line stays
     # At least every draw the readings allow (``upper``), and the draw seen with the stated safety on
     # top (which covers what the reading may understate where nothing bounds it).
@@ -229,16 +234,28 @@ def chunk_growth(cost: CostModel, chunk_tokens: int) -> int:
 
 
 def draw_bracket(
-    observed: int, terms: int, growth: int, before: tuple[float, float] | None
+    observed: int,
+    terms: int,
+    growth: int,
+    before: tuple[float, float] | None,
+    rounding: int = 0,
+    below: int | None = None,
 ) -> tuple[float, float] | None:
     """What the readings of one prefill in flight say about the lane's draw (a multiple of the cost
-    terms): at least ``observed / terms`` (the projection's terms may run ahead of the engine), at most
-    ``observed / (terms - growth)`` (by no more than a chunk). Readings at a steady draw narrow the
-    bracket; one that does not overlap it (the draw changed: an upgrade, a new kernel, noise) starts it
-    again from itself. None: no bound (the terms are within a chunk of zero)."""
-    if terms <= growth or observed <= 0:
+    terms): at least ``(observed - rounding) / terms`` (the projection's terms may run ahead of the
+    engine; the allocator's rounding, ``rounding`` bytes at most, only ever adds to what a reading
+    shows), at most ``observed / below``, ``below`` the terms the engine has surely allocated (the
+    chunks its counter showed done), or where nothing says, ``observed / (terms - growth)`` (the
+    projection runs ahead by no more than a chunk). Readings at a steady draw narrow the bracket; one
+    that does not overlap it (the draw changed: an upgrade, a new kernel, noise) starts it again from
+    itself. Two readings that pin the same draw, one from above and one from below, meet only up to the
+    allocator's rounding and the projection's arithmetic: without ``rounding`` such a pair read as a
+    change and threw the narrowed bracket away (evidence RE1). None: no bound (nothing surely
+    allocated, or terms within a chunk of zero)."""
+    floor = terms - growth if below is None else min(below, terms)
+    if floor <= 0 or observed <= 0:
         return None
-    lo, hi = observed / terms, observed / (terms - growth)
+    lo, hi = max(0, observed - rounding) / terms, observed / floor
     if before is None or lo > before[1] or hi < before[0]:
         return lo, hi
     return max(lo, before[0]), min(hi, before[1])
@@ -326,7 +343,12 @@ class LaneWatch:
         # -- what the readings of a prefill in flight alone bound the lane's draw by (``draw_bracket``),
         # and the chunk size the projections at progress step by (the rules in force).
         self.bracket: tuple[float, float] | None = None
+        self._bracket_of: str | None = None  # the prefill whose readings it is
         self._chunk_tokens = own.lane.chunked_prefill_size
+        # -- what the findings since the margin last moved otherwise bound the draw by from above,
+        # without the safety: the margin the in-flight guard judges admitted prefills at
+        # (``in_flight_margin``); None: the margin in force (no finding, or one that bounded nothing).
+        self._in_flight: float | None = None
         # Told when something the state file keeps changed (the app writes it: ``ops/learned_file``).
         self.on_learned: Callable[[], None] = lambda: None
 
@@ -358,7 +380,31 @@ class LaneWatch:
         self.covered = own.cost.calibrated_ratio
         self._floor = min(self._floor, own.cost.margin)
         self.bracket = None
+        self._in_flight = None
         self._warned.clear()
+
+    @property
+    def in_flight_margin(self) -> float:
+        """The margin the in-flight guard prices the admitted prefills at (``core/overrun.py``): what
+        the findings' readings bound the lane's draw by from above, without the monitor's safety (the
+        evidence itself), never above the margin in force. A prompt admitted at the margin in force on a
+        lane that draws within it fits by construction: aborting it because the margin rose by the
+        safety on top of a draw is the monitor over-reacting (evidence RE1). New admissions are priced at
+        the margin in force (the draw with the safety). Where a finding bounded nothing (several
+        requests, progress unknown), the margin in force."""
+        m = self.margin_in_force
+        return m if self._in_flight is None else min(m, self._in_flight)
+
+    def _judge_in_flight(self, before: float, upper: float | None, seen: float) -> None:
+        """A finding made with the margin ``before`` in force: the in-flight guard's margin from it.
+        ``upper``: what its readings bound the draw by from above (None: nothing); ``seen``: the draw
+        the reading showed (a lower bound, which the allocator's rounding may put a hair above it)."""
+        if upper is None:
+            self._in_flight = None
+            return
+        # Never below the margin the in-flight work was judged at before this finding.
+        evidence = max(before, upper, seen)
+        self._in_flight = evidence if self._in_flight is None else max(self._in_flight, evidence)
 
     @property
     def margin_in_force(self) -> float:
@@ -396,6 +442,7 @@ class LaneWatch:
         self._peak = self._window = (0, self.margin)
         self._ended_now = self._ended_before = 0
         self.bracket = None
+        self._in_flight = None
         if had is not None or self._own.vram.idle_free_auto:
             log.info(
                 "engine changed (%s): idle free memory will be measured again when it is idle",
@@ -481,6 +528,7 @@ class LaneWatch:
         if target is not None and target > self.margin:
             self.margin = target
             self.crash_margin = max(self.crash_margin or 0.0, target)
+        self._in_flight = None  # the evidence did not hold: the margin in force
         self.crashes += 1
         crash = Crash(now, why, s, before, self.margin_in_force)
         self.last_crash = crash
@@ -591,6 +639,7 @@ class LaneWatch:
         now: float,
         in_flight: int | None = None,
         defer: bool = False,
+        done: int | None = None,
     ) -> bool:
         """A new snapshot; True when the rules it builds (``effective``) change.
 
@@ -598,7 +647,9 @@ class LaneWatch:
         (``core/overrun.in_flight_bytes``), None when their progress is unknown: a reading is then
         compared with their final peaks, so a long prefill that runs over is seen only near its end.
         ``defer``: their progress is too old for this GPU reading (``PrefillProgress.too_old``); it is
-        compared at the next snapshot, with the next engine report."""
+        compared at the next snapshot, with the next engine report. ``done``: what a prefill in flight
+        alone has surely allocated (``core/overrun.done_bytes``, the chunks the counter showed done), None
+        where nothing says: the readings' upper bound on the draw (``draw_bracket``)."""
         changed = self._read_restart(snap)
         changed = self._measure_idle(snap, rules, now) or changed
         if snap.engine is not None and not snap.engine_health.consecutive_failures:
@@ -610,7 +661,7 @@ class LaneWatch:
         g = snap.gpu
         if g is not None and g is not self._last_gpu and g.free_bytes is not None and not defer:
             self._last_gpu = g
-            changed = self._check(snap, g, g.free_bytes, totals, rules.cost, now, in_flight) or changed
+            changed = self._check(snap, g, g.free_bytes, totals, rules.cost, now, in_flight, done) or changed
         return changed
 
     # -- what it gives back ----------------------------------------------------------------------------
@@ -693,6 +744,8 @@ class LaneWatch:
                 "margin": {
                     "policy": self._own.cost.margin,
                     "effective": round(self.margin_in_force, 4),
+                    # What the in-flight guard judges admitted prefills at (``in_flight_margin``).
+                    "in_flight": round(self.in_flight_margin, 4),
                     "raised": f is not None,
                     "since_age_s": None if f is None else round(now - f.at, 3),
                     "why": None if f is None else _why(f),
@@ -756,6 +809,7 @@ class LaneWatch:
         was = self.margin_in_force
         self.conservative = f"engine build {before} -> {version}"
         self.conservative_since = now
+        self._in_flight = None
         log.warning(
             "%s: the lane's learned margin %.3f is priced x%.2f (%.3f) until a reading confirms the fit",
             self.conservative,
@@ -800,22 +854,62 @@ class LaneWatch:
             )
         return before != lane_facts.overrides(facts)
 
-    def _bracket(self, observed: int, projected: int, projected_with: float, alone: bool) -> float | None:
+    def _bracket(
+        self,
+        observed: int,
+        projected: int,
+        projected_with: float,
+        lone: str | None,
+        done: int | None,
+        now: int,
+    ) -> tuple[float | None, float]:
         """The upper bound the readings put on the lane's draw (``draw_bracket``), where they can:
-        readings of one prefill in flight, priced at its progress (a chunk ahead at most). Other
-        readings (several requests, a sum of ended peaks, progress unknown) can run ahead by more than
-        a chunk: the bracket is dropped and a finding is priced on its draw plus the safety."""
-        if not alone or projected <= 0 or projected_with <= 0 or self._chunk_tokens <= 0:
+        readings of one request alone (``lone``, its id), which holds at least its projection at its
+        progress (``now``; 0 once its prefill ended: the peak the reading is compared with) less a
+        chunk, or ``done`` where that is more (the chunks the counter showed done,
+        ``core/overrun.done_bytes``; 0, nothing sure: no bound). Other readings (several requests, a sum of ended peaks, progress
+        unknown) can run ahead by more than a chunk: the bracket is dropped and a finding is priced on
+        its draw plus the safety. A bracket is one prefill's: another prompt starts its own (the draw
+        may have changed in between unseen, under the allocator's cached peaks: evidence RE1). With
+        it, the allocator's rounding on this reading (one block: one request) as a multiple of its
+        cost terms (``raised_margin``'s ``slack``)."""
+        if lone is None or projected <= 0 or projected_with <= 0 or self._chunk_tokens <= 0:
             self.bracket = None
-            return None
+            return None, 0.0
+        if lone != self._bracket_of:
+            self.bracket, self._bracket_of = None, lone
         terms = round(projected / projected_with)
-        self.bracket = draw_bracket(
-            observed, terms, chunk_growth(self._cost, self._chunk_tokens), self.bracket
-        )
-        return None if self.bracket is None else self.bracket[1]
+        growth = chunk_growth(self._cost, self._chunk_tokens)
+        # Its projection (in flight: at its progress; else the peak compared with) less a chunk, or
+        # what its counter says it holds where that is more (0: nothing sure before its first batch).
+        below = (round(now / self._charged_with) if now else terms) - growth
+        if done is not None:
+            below = max(below, round(done / self._charged_with)) if done else 0
+        rounding = self._own.monitor.allocator_block_bytes
+        self.bracket = draw_bracket(observed, terms, growth, self.bracket, rounding, below)
+        return (None, 0.0) if self.bracket is None else (self.bracket[1], rounding / terms)
+
+    def _bound_above(self, observed: int, lone: str | None, done: int | None) -> None:
+        """A reading that shows nothing new still bounds a lone prefill's draw from above: the engine
+        holds at least ``done`` for it (``core/overrun.done_bytes``) and the reading shows at least
+        that times the draw, whatever it shows of earlier peaks. It narrows the bracket (never starts
+        one: its lower bound needs a reading compared with a projection, ``_bracket``); one below the
+        bracket says the draw fell (a reading that confirms nothing here: the bracket stays)."""
+        b = self.bracket
+        if b is None or lone != self._bracket_of or not done or observed <= 0:
+            return
+        hi = observed / round(done / self._charged_with)
+        if hi >= b[0]:
+            self.bracket = (b[0], min(b[1], hi))
 
     def _confirm(
-        self, observed: int, projected: int, projected_with: float, requests: int, upper: float | None
+        self,
+        observed: int,
+        projected: int,
+        projected_with: float,
+        requests: int,
+        upper: float | None,
+        slack: float = 0.0,
     ) -> bool:
         """While a new build is unconfirmed, a reading that shows a new peak of what the lane draws for
         admitted work. It bounds the draw (a multiple of the cost terms) from below, ``observed / terms``:
@@ -842,8 +936,9 @@ class LaneWatch:
         before = self.margin
         if excess(observed, round(expected), m, requests) is not None:
             self.margin = raised_margin(
-                self.margin, 1.0, self._own.cost.margin, drew, m, self._ceiling(), upper
+                self.margin, 1.0, self._own.cost.margin, drew, m, self._ceiling(), upper, slack
             )
+            self._in_flight = None  # a new build's fit: the in-flight work is judged at the margin
         confirmed = (
             upper is not None
             and excess(round(terms * upper), round(terms * self.margin), m, requests) is None
@@ -937,6 +1032,7 @@ class LaneWatch:
         cost: CostModel,
         now: float,
         in_flight: int | None,
+        done: int | None = None,
     ) -> bool:
         base = self._baseline()
         prev, self._prev_free = self._prev_free, free
@@ -967,6 +1063,11 @@ class LaneWatch:
         if base is None or snap.engine_health.consecutive_failures:
             return False
         idle_free, idle_other = base
+        grown = 0
+        if g.other_process_bytes is not None and idle_other is not None:
+            grown = max(0, g.other_process_bytes - idle_other)
+        observed = idle_free - free - grown
+        lone = ids[0] if in_flight is not None and len(ids) == 1 else None
         low = idle_free if self._low_water is None else self._low_water
         if free < low:
             self._low_water = free
@@ -974,19 +1075,16 @@ class LaneWatch:
         elif prev is not None and free < prev:
             reference = window
         else:
+            self._bound_above(observed, lone, done)
             return False
-        grown = 0
-        if g.other_process_bytes is not None and idle_other is not None:
-            grown = max(0, g.other_process_bytes - idle_other)
-        observed = idle_free - free - grown
         projected, projected_with = reference
         requests = max(1, len(ids))
         # A new build's fit is read only where the reading shows the peaks: a new low with no prefill
         # in flight (those that ran since the idle figure ended, their peaks in the allocator's
         # cache). A reading mid-prefill shows part of a peak: below the projection, it confirms nothing.
         shows_peaks = free < low and not self._raw
-        upper = self._bracket(observed, projected, projected_with, in_flight is not None and len(ids) == 1)
-        confirmed = shows_peaks and self._confirm(observed, projected, projected_with, requests, upper)
+        upper, slack = self._bracket(observed, projected, projected_with, lone, done, in_flight or 0)
+        confirmed = shows_peaks and self._confirm(observed, projected, projected_with, requests, upper, slack)
         cover = self.covered
         if cover is not None and projected:
             # The cost terms (at most the bytes over the smallest margin they were priced with) times
@@ -1009,8 +1107,16 @@ class LaneWatch:
             return confirmed
         before = self.margin
         self.margin = raised_margin(
-            before, projected_with, self._own.cost.margin, ratio, self._own.monitor, self._ceiling(), upper
+            before,
+            projected_with,
+            self._own.cost.margin,
+            ratio,
+            self._own.monitor,
+            self._ceiling(),
+            upper,
+            slack,
         )
+        self._judge_in_flight(before, upper, projected_with * ratio)
         if cover is not None:
             # What the lane has shown is known from now on: a later reading counts beyond it.
             self.covered = max(cover, projected_with * ratio)

@@ -34,6 +34,9 @@ class Prefill:
     # by ``cached_bound`` (the cache counter's growth over the in-flight prefills).
     started: bool = False
     cached_bound: int = 0
+    # Prompt tokens the counter showed computed for it when it was read, without the allowance for
+    # what the engine computed since: a lower bound of its progress then (None: no counter).
+    counted_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +164,25 @@ def in_flight_bytes(prefills: Sequence[Prefill], cost: CostModel) -> int | None:
     return total
 
 
+def done_bytes(prefills: Sequence[Prefill], cost: CostModel) -> int | None:
+    """The least one prefill in flight alone has allocated (margin included): the chunk after those the
+    engine's counter showed computed. SGLang counts a chunk after its forward pass (evidence S24) and
+    gives the chunked request its next chunk first in the next batch (S26), so while the prefill is in
+    flight the engine runs (or has run) that chunk; its context is counted from the cache hit the gate
+    counted, a lower bound. 0 before the counter shows its first batch (it may not have run yet); None
+    for several prefills or no counter. The monitor bounds the lane's draw from above with it
+    (``LaneWatch``: ``draw_bracket``), and only with a counter read no later than the GPU reading."""
+    if len(prefills) != 1 or prefills[0].counted_tokens is None:
+        return None
+    p = prefills[0]
+    if not p.started or not p.counted_tokens:
+        return 0
+    d = p.demand
+    return project_at_progress(
+        cost, d.prompt_tokens, d.uncached_tokens, d.chunk_size, p.counted_tokens, d.cached_tokens
+    )
+
+
 def final_bytes(d: Demand, cost: CostModel) -> int:
     """The most :func:`in_flight_bytes` can ever count for this prefill: its last chunk's peak under
     ``cost`` (``project_at_progress`` grows with the progress to it), or as priced at its admission
@@ -265,7 +287,7 @@ class PrefillProgress:
         for (k, d), (share, reach, hits) in zip(entries, done, strict=True):
             # Without a cache counter a hit is unbounded: the whole prompt may have come from the cache.
             bound = d.prompt_tokens if hits is None else hits
-            out.append(Prefill(k, d, reach, share > 0, bound))
+            out.append(Prefill(k, d, reach, share > 0, bound, share))
         return out
 
     def left(self, key: int) -> None:
