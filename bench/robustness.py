@@ -136,16 +136,33 @@ def acceptance(summary: list[dict[str, Any]]) -> list[tuple[bool, str]]:
         if s["class"] == "upgrade":
             ok = s["crashes_after_restart"] == 0
             lines.append((ok, f"{name}: no crash after the restart ({s['crashes_after_restart']})"))
-        lines.append(
-            (
-                s["worst_vs_oracle"] >= 0.90,
-                f"{name}: >= 90 % of the oracle (worst {s['worst_vs_oracle']:.1%})",
-            )
-        )
-        if s["perturbation"] in ("round2m", "sys1.03"):
+        lines.append((s["worst_vs_oracle"] >= 0.90, _oracle_line(name, s)))
+        if s["class"] == "within" and s["perturbation"] != "none":
+            # The issue asks this of rounding and x1.03; every change within the stated safety is held
+            # to it (a x1.05 draw under a 1.05 margin must not cost what the unperturbed engine serves).
             cost = 1.0 - s["worst_vs_unperturbed"]
             lines.append((cost <= 0.05, f"{name}: costs <= 5 % against the unperturbed engine ({cost:.1%})"))
     return lines
+
+
+# A scenario whose prompts sit inside the lane policy's stated safety by construction: the band's
+# cold prompts at 90-99.5 % of the lane's true single-request limit, where a 16 MiB reserve and a 1.05
+# margin put the unfit line at 92.1 % (evidence RA2). Its oracle line is judged like every other, and
+# the line says which part of the worst it is, so that a reader sees what the rest of the row reaches.
+INSIDE_SAFETY = {"band-below-limit": "RA2"}
+
+
+def _oracle_line(name: str, s: dict[str, Any]) -> str:
+    line = f"{name}: >= 90 % of the oracle (worst {s['worst_vs_oracle']:.1%}"
+    per = s.get("worst_vs_oracle_by_scenario") or {}
+    inside = {sc: v for sc, v in per.items() if sc in INSIDE_SAFETY}
+    rest = [v for sc, v in per.items() if sc not in INSIDE_SAFETY]
+    if inside and min(inside.values()) < 0.90:
+        why = ", ".join(
+            f"{sc} {v:.0%}, inside the stated safety: {INSIDE_SAFETY[sc]}" for sc, v in inside.items()
+        )
+        line += f"; {why}; the other scenarios' worst {min(rest, default=math.nan):.1%}"
+    return line + ")"
 
 
 def format_block(summary: list[dict[str, Any]], lines: list[tuple[bool, str]]) -> str:

@@ -470,13 +470,16 @@ class _Turns:
 
     At least ``min_per_turn`` gates a turn: at saturation (wrk, 64 connections, on the lent H100 host) a
     1 ms budget alone let ~2 gates through a turn and the loop's per-turn costs rose to ~40 % more CPU
-    per gated request (381 -> 531 µs; ``bench/results/2026-12-06-h100-overhead.md``).
+    per gated request (381 -> 531 µs; ``bench/results/2026-12-06-h100-overhead.md``). The least is 4,
+    not 16: alternated on the lent H100 host, 16 let a burst's gates stall the loop 6-8 ms a tick (the
+    paced stall goal is 5) and held saturation p99 TTFB at 97-148 ms; 4 kept the stall at 3.0 ms and
+    the p99 at 29-36 ms for ~15 % more CPU per gated request at saturation (evidence QE1).
     """
 
     __slots__ = ("_clock", "_entered", "_per_gate", "_queue", "_turn_at", "budget_s", "min_per_turn")
 
     def __init__(
-        self, budget_s: float = 0.001, clock: Callable[[], float] = time.perf_counter, min_per_turn: int = 16
+        self, budget_s: float = 0.001, clock: Callable[[], float] = time.perf_counter, min_per_turn: int = 4
     ) -> None:
         self.budget_s = budget_s
         self.min_per_turn = min_per_turn
