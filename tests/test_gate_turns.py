@@ -4,8 +4,12 @@ arrival order, so that the engine's answers to its first requests are read betwe
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
+from typing import Any
 
 from sidecar.http.proxy import _Turns
+from tests.harness import FakeEngine, eventually, gen, lane
 
 
 class Clock:
@@ -86,3 +90,73 @@ async def test_a_waiter_whose_client_left_is_skipped_and_the_rest_still_go() -> 
     gone = [i for i, r in enumerate(done) if isinstance(r, asyncio.CancelledError)]
     assert gone == [1] and [r for r in done if isinstance(r, int)] == [0, 2, 3]
     assert not turns._queue
+
+
+class _SteppingClock:
+    """Each reading 2 s after the last: every gate after a turn's first has spent the turn's budget."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 2.0
+        return self.now
+
+
+class _CountingTurns(_Turns):
+    __slots__ = ("waited",)
+
+    def __init__(self) -> None:
+        super().__init__(budget_s=1.0, clock=_SteppingClock(), min_per_turn=1)
+        self.waited = 0
+
+    async def wait(self) -> None:
+        self.waited += 1
+        await super().wait()
+
+
+async def test_a_burst_through_the_proxy_does_its_gate_work_in_turns(tmp_path: Path) -> None:
+    """The real proxy (a real engine-shaped upstream on loopback) takes every gated request through
+    its gate turns: 6 requests arriving in one loop turn, a turn's budget spent by its first gate, so
+    5 wait for later turns; every one is then answered 200, and the ledger is empty at the end. Fails
+    if the gated path stops passing the turns (``waited`` stays 0)."""
+    async with lane(tmp_path, FakeEngine(events=1)) as (_, app, _gpu):
+        turns = app.proxy.turns = _CountingTurns()
+
+        async def one(i: int) -> list[dict[str, Any]]:
+            body = json.dumps(gen(stream=False, tokens=100, rid=f"burst-{i}")).encode()
+            scope = {
+                "type": "http",
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": "/generate",
+                "raw_path": b"/generate",
+                "query_string": b"",
+                "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+                "client": ("127.0.0.1", 50000 + i),
+                "server": ("127.0.0.1", 8000),
+            }
+            sent: list[dict[str, Any]] = []
+            done = asyncio.Event()
+            parts = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> dict[str, Any]:
+                if parts:
+                    return parts.pop()
+                await done.wait()  # the client stays until its answer is complete
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    done.set()
+
+            await app(scope, receive, send)
+            return sent
+
+        cycles = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(6))), timeout=30)
+        statuses = [next(m["status"] for m in sent if m["type"] == "http.response.start") for sent in cycles]
+        assert statuses == [200] * 6
+        assert turns.waited == 5
+        await eventually(lambda: len(app.admission.ledger) == 0)
