@@ -27,19 +27,22 @@ from tests.conftest import MIB, ManualClock, ask, small_policy, snapshot, submit
 GIB = 1024 * MIB
 
 
+# 1 MiB per chunk token at margin 1.0, the idle budget measured at start (``auto``), a strict monitor.
+LANE: dict[str, object] = dict(
+    cost__activation_bytes_per_chunk_token="1MiB",
+    cost__margin=1.0,
+    vram__headroom="idle_budget",
+    vram__idle_free_bytes="auto",
+    monitor__tolerance=0.0,
+    monitor__min_bytes="1MiB",
+    monitor__max_margin=3.0,
+    lane__chunked_prefill_size=100_000,
+)
+
+
 def lane(clock: ManualClock, **overrides: object) -> Admission:
     """1 MiB per chunk token at margin 1.0, a 4 GiB idle budget measured at start (``auto``)."""
-    settings: dict[str, object] = dict(
-        cost__activation_bytes_per_chunk_token="1MiB",
-        cost__margin=1.0,
-        vram__headroom="idle_budget",
-        vram__idle_free_bytes="auto",
-        monitor__tolerance=0.0,
-        monitor__min_bytes="1MiB",
-        monitor__max_margin=3.0,
-        lane__chunked_prefill_size=100_000,
-    )
-    a = Admission(small_policy(**(settings | overrides)), clock)
+    a = Admission(small_policy(**(LANE | overrides)), clock)
     a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
     assert a.watch.idle is not None and a.rules.vram.idle_free_bytes == 4 * GIB
     return a
@@ -151,17 +154,7 @@ def test_the_state_file_keeps_the_margin_across_a_sidecar_restart_atomically(
 
 def fresh(clock: ManualClock, path: Path, version: str, **overrides: object) -> Admission:
     """A sidecar started with ``path`` as its state file, then its first snapshot (``lane``'s figures)."""
-    settings: dict[str, object] = dict(
-        cost__activation_bytes_per_chunk_token="1MiB",
-        cost__margin=1.0,
-        vram__headroom="idle_budget",
-        vram__idle_free_bytes="auto",
-        monitor__tolerance=0.0,
-        monitor__min_bytes="1MiB",
-        monitor__max_margin=3.0,
-        lane__chunked_prefill_size=100_000,
-    )
-    a = Admission(small_policy(**(settings | overrides)), clock)
+    a = Admission(small_policy(**(LANE | overrides)), clock)
     learned_file.keep(path, a.watch, clock, wall=lambda: EPOCH + clock.t)
     a.refresh_rules()
     a.update_snapshot(gpu(snapshot(clock.t, version=version), clock.t, 4 * GIB))

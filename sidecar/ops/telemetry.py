@@ -8,14 +8,13 @@ an absent series, never a 0.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import (
@@ -142,9 +141,6 @@ class Telemetry:
     ) -> None:
         self.registry = registry
         self.shadow = shadow
-        # Registered first: the per-request tallies reach their series before any series is read.
-        self._tallies: list[_Tally] = []
-        registry.register(_FlushTallies(self._tallies))
         decisions = Counter(
             PREFIX + "decisions",
             "Final admission decisions, one per gated request that got one: admit, or reject by reason",
@@ -152,7 +148,7 @@ class Telemetry:
             registry=registry,
         )
         # Only the pairs that can happen exist: an admit has no reason, a reject always has one.
-        self._admits = self._tally(CounterTally(decisions.labels(Action.ADMIT.value, "none")))
+        self._admits = decisions.labels(Action.ADMIT.value, "none")
         # A guard abort (prefill_overrun) follows the request's admit: not a second final decision.
         self._rejects = {
             r: decisions.labels(Action.REJECT.value, r.value)
@@ -177,26 +173,18 @@ class Telemetry:
             registry=registry,
         )
         self._outcomes = {o: requests.labels(o.value) for o in Outcome}
-        self._hold = self._tally(
-            HistogramTally(
-                Histogram(
-                    PREFIX + "hold_seconds",
-                    "Time from arrival to the final decision (0 for a request decided at once)",
-                    buckets=HOLD_BUCKETS,
-                    registry=registry,
-                )
-            )
+        self._hold = Histogram(
+            PREFIX + "hold_seconds",
+            "Time from arrival to the final decision (0 for a request decided at once)",
+            buckets=HOLD_BUCKETS,
+            registry=registry,
         )
-        self._first_byte = self._tally(
-            HistogramTally(
-                Histogram(
-                    PREFIX + "upstream_first_byte_seconds",
-                    "Time from forwarding an admitted request to the upstream's first body byte "
-                    "(for a stream, about the time to first token)",
-                    buckets=FIRST_BYTE_BUCKETS,
-                    registry=registry,
-                )
-            )
+        self._first_byte = Histogram(
+            PREFIX + "upstream_first_byte_seconds",
+            "Time from forwarding an admitted request to the upstream's first body byte "
+            "(for a stream, about the time to first token)",
+            buckets=FIRST_BYTE_BUCKETS,
+            registry=registry,
         )
         reloads = Counter(
             PREFIX + "policy_reloads",
@@ -224,10 +212,6 @@ class Telemetry:
         self.largest_admitted_bytes = 0
         registry.register(_LargestAdmitted(self))
         self.context: Callable[[], dict[str, Any]] = dict
-
-    def _tally(self, tally: T) -> T:
-        self._tallies.append(tally)
-        return tally
 
     def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         if d.action is Action.HOLD:
@@ -303,73 +287,6 @@ class Telemetry:
 
     def outcome(self, outcome: Outcome) -> None:
         self._outcomes[outcome].inc()
-
-
-class CounterTally:
-    """A Prometheus counter's series counted as a plain int on the request path, written to the
-    series whenever the registry is read (``_FlushTallies``): a Prometheus ``inc`` takes a lock and two
-    calls, and a gated request made six of them (issue #27). Only the loop's thread counts; the
-    series is set to the count (not added to), so a read from any thread writes a count that was true.
-    """
-
-    __slots__ = ("_child", "n")
-
-    def __init__(self, child: Counter) -> None:
-        self._child = child
-        self.n = 0
-
-    def inc(self) -> None:
-        self.n += 1
-
-    def flush(self) -> None:
-        self._child._value.set(float(self.n))
-
-
-class HistogramTally:
-    """A Prometheus histogram (no labels) observed into plain numbers on the request path, written to
-    its series whenever the registry is read, as :class:`CounterTally`. The same buckets (an
-    observation goes to the first upper bound it does not exceed) and the same sum, added in the same
-    order from 0.0, as ``Histogram.observe``; a NaN counts in no bucket, as there."""
-
-    __slots__ = ("_bounds", "_counts", "_hist", "sum")
-
-    def __init__(self, hist: Histogram) -> None:
-        self._hist = hist
-        self._bounds: tuple[float, ...] = tuple(hist._upper_bounds)
-        self._counts = [0] * len(self._bounds)
-        self.sum = 0.0
-
-    def observe(self, amount: float) -> None:
-        self.sum += amount
-        i = bisect.bisect_left(self._bounds, amount)
-        if i < len(self._counts) and amount == amount:  # NaN: no bucket
-            self._counts[i] += 1
-
-    def flush(self) -> None:
-        h = self._hist
-        h._sum.set(self.sum)
-        for value, n in zip(h._buckets, self._counts, strict=True):
-            value.set(float(n))
-
-
-_Tally = CounterTally | HistogramTally
-T = TypeVar("T", CounterTally, HistogramTally)
-
-
-class _FlushTallies(Collector):
-    """Writes the tallies to their series before the registry collects them (it is registered before
-    them, and a registry collects in registration order); it has no series of its own."""
-
-    def __init__(self, tallies: list[_Tally]) -> None:
-        self.tallies = tallies
-
-    def describe(self) -> Iterable[Metric]:
-        return []
-
-    def collect(self) -> Iterable[Metric]:
-        for t in self.tallies:
-            t.flush()
-        return []
 
 
 class _LargestAdmitted(Collector):
