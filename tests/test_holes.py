@@ -391,9 +391,11 @@ async def test_impossible_engine_values_are_a_failed_read(tmp_path: Path, case: 
                 assert name in state["implausible_series"], state
                 assert name in state["last_error"]
             r = await client.post(url + "/generate", json=gen(stream=False))
-            # stale first, then unavailable after policy engine.unavailable_after_failures reads
-            assert r.status_code == 503, r.text
-            assert r.headers["x-admission-reason"] in ("signals_stale", "engine_unavailable")
+            # Stale first (busy now: 429), then unavailable (a fault: 503) once policy
+            # engine.unavailable_after_failures reads have failed; which one depends on how many polls a
+            # loaded machine ran before this request, so the status is checked against the reason given.
+            reason = r.headers["x-admission-reason"]
+            assert (reason, r.status_code) in (("signals_stale", 429), ("engine_unavailable", 503)), r.text
             counted = sum(
                 app.registry.get_sample_value(
                     "sglang_sidecar_implausible_values_total", {"signal": "engine", "series": name}
