@@ -322,8 +322,8 @@ def saved(w: LaneWatch, **changes: object) -> dict[str, object]:
     base = {
         "version": 1,
         "cost_fingerprint": w.kept()["cost_fingerprint"],
-        "margin": 1.2,
-        "crash_margin": 1.3,
+        "margin": 1.3,
+        "crash_margin": 1.2,
         "crashes": 3,
         "engine_build": "0.5.24",
         "conservative": "engine build 0.5.23 -> 0.5.24",
@@ -339,7 +339,7 @@ def test_a_restore_takes_the_build_the_unconfirmed_state_the_margins_and_the_cra
     w, _, _ = lane()
     said = w.restore(saved(w), now=1000.0)
     assert said == (
-        "margin 1.2000 (in force 1.5000), engine build 0.5.24 unconfirmed (engine build 0.5.23 -> 0.5.24), "
+        "margin 1.3000 (in force 1.5000), engine build 0.5.24 unconfirmed (engine build 0.5.23 -> 0.5.24), "
         "3 crash(es) before"
     )
     assert (w.build, w.conservative, w.conservative_since) == (
@@ -347,7 +347,7 @@ def test_a_restore_takes_the_build_the_unconfirmed_state_the_margins_and_the_cra
         "engine build 0.5.23 -> 0.5.24",
         400.0,
     )
-    assert (w.margin, w.crash_margin, w.crashes) == (1.2, 1.3, 3)
+    assert (w.margin, w.crash_margin, w.crashes) == (1.3, 1.2, 3)
     assert w.state(1000.0)["engine_build"] == {
         "version": "0.5.24",
         "conservative": True,
@@ -355,10 +355,10 @@ def test_a_restore_takes_the_build_the_unconfirmed_state_the_margins_and_the_cra
         "since_age_s": 600.0,
         "margin_in_force": 1.5,
     }
-    # A crash margin beyond the cap is taken at the cap.
+    # Margins beyond the cap (a policy that lowered max_margin since) are taken at the cap.
     w, _, _ = lane()
-    w.restore(saved(w, crash_margin=2.0), now=1000.0)
-    assert w.crash_margin == 1.5
+    w.restore(saved(w, margin=2.0, crash_margin=2.0), now=1000.0)
+    assert w.margin == w.crash_margin == 1.5
 
 
 def test_a_restore_of_a_confirmed_build_without_crashes_or_since() -> None:
@@ -369,7 +369,7 @@ def test_a_restore_of_a_confirmed_build_without_crashes_or_since() -> None:
     del kept["crashes"], kept["crash_margin"]
     assert (
         w.restore(kept, now=1000.0)
-        == "margin 1.2000 (in force 1.2000), engine build 0.5.24, 0 crash(es) before"
+        == "margin 1.3000 (in force 1.3000), engine build 0.5.24, 0 crash(es) before"
     )
     assert (w.build, w.conservative, w.conservative_since, w.crashes) == ("0.5.24", None, None, 0)
     assert w.crash_margin is None and w.state(1000.0)["engine_build"]["since_age_s"] is None
@@ -420,3 +420,25 @@ def test_a_restart_whose_process_never_reported_is_read_at_the_next_restart() ->
     assert w.last_crash is not None and w.last_crash.why == "scheduler pid [1] -> [2]"
     assert w.engine_restarted(30.0, "scheduler pid [3] -> [4]") is False
     assert w.crashes == 1
+
+
+def test_an_engine_restart_forgets_the_prompts_its_predecessor_served() -> None:
+    """The ceiling on a raised margin (``raised_margin``: never so high that a prompt this engine
+    served becomes unfit) is the new process's: until it has served a prompt there is none, and the
+    first finding raises the margin in proportion to what it showed. Here the lane's transient cap is
+    one byte, so any prompt counted as served would hold the margin at what the reading showed."""
+    w, _, rules = lane()
+    tiny = replace(rules, vram=replace(rules.vram, max_transient_bytes=1))
+    busy = LedgerTotals(requests=1, running_requests=1, projected_bytes=1000 * MIB)
+    w.charged(1, "r0", busy, rules.cost, False, charge_bytes=500 * MIB)
+    w.prefilled(1)
+    w.ended(1, 0.5)
+    w.engine_restarted(1.0)
+    w.charged(2, "r1", busy, rules.cost, False, charge_bytes=1000 * MIB)
+    snap = replace(
+        snapshot(2.0, running_requests=1),
+        gpu=GpuSignals(2.0, "test", (DeviceMemory("GPU-0", 10 * GIB - 1_300_000_000, 80 * GIB),)),
+    )
+    assert w.observe(snap, busy, tiny, 2.0) is True
+    seen = 1_300_000_000 / (1000 * MIB) * 1.0123456
+    assert w.margin == pytest.approx(seen * 1.05, rel=1e-12)
