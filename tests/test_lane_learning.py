@@ -233,6 +233,7 @@ GOOD = {
             ": conservative: an unconfirmed build with no engine_build",
         ),
         (json.dumps(GOOD | {"margin_in_force": 1.1}), ": margin_in_force: 1.1 is below margin 1.2"),
+        (json.dumps(GOOD | {"crash_margin": 1.25}), ": crash_margin: 1.25 is above margin 1.2"),
         (json.dumps(GOOD | {"idle_free_bytes": 1}), ": idle_free_bytes: Extra inputs are not permitted"),
         (json.dumps({k: v for k, v in GOOD.items() if k != "crashes"}), ": crashes: Field required"),
         ('{\n  "version": 1,\n  oops\n}', ":3: not JSON: Expecting property name"),

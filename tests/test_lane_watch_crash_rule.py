@@ -442,3 +442,20 @@ def test_an_engine_restart_forgets_the_prompts_its_predecessor_served() -> None:
     assert w.observe(snap, busy, tiny, 2.0) is True
     seen = 1_300_000_000 / (1000 * MIB) * 1.0123456
     assert w.margin == pytest.approx(seen * 1.05, rel=1e-12)
+
+
+def test_a_finding_after_an_engine_restart_names_only_the_new_process_requests() -> None:
+    """The old process's requests went with it: a finding on the new process names what the new one
+    runs (an operator reads the ids to find the prompt that drew more than priced), and counts only
+    those requests for the allocator's rounding and for whether a prefill ran alone."""
+    w, _, rules = lane()
+    busy = LedgerTotals(requests=1, running_requests=1, projected_bytes=1000 * MIB)
+    w.charged(1, "old", busy, rules.cost, False, charge_bytes=500 * MIB)
+    w.engine_restarted(1.0)
+    w.charged(2, "new", busy, rules.cost, False, charge_bytes=1000 * MIB)
+    snap = replace(
+        snapshot(2.0, running_requests=1),
+        gpu=GpuSignals(2.0, "test", (DeviceMemory("GPU-0", 10 * GIB - 1_300_000_000, 80 * GIB),)),
+    )
+    assert w.observe(snap, busy, rules, 2.0) is True
+    assert w.last is not None and w.last.request_ids == ("new",)

@@ -440,6 +440,7 @@ class LaneWatch:
         self._traffic = False
         self._low_water = self._prev_free = None
         self._peak = self._window = (0, self.margin)
+        self._window_ids = {}  # the old process's requests: a finding on the new one does not name them
         self._ended_now = self._ended_before = 0
         self.bracket = None
         self._in_flight = None

@@ -65,6 +65,10 @@ class SavedState(BaseModel):
             out.append(("conservative", "an unconfirmed build with no engine_build"))
         if self.conservative is None and self.conservative_since is not None:
             out.append(("conservative_since", "set while conservative is null"))
+        if self.crash_margin is not None and self.crash_margin > self.margin:
+            # ``kept()`` writes the margin at or above what a crash taught; a hand edit that lowers the
+            # margin under it would serve below the crash's margin until the next reload.
+            out.append(("crash_margin", f"{self.crash_margin} is above margin {self.margin}"))
         if self.margin_in_force is not None and self.margin_in_force < self.margin:
             out.append(("margin_in_force", f"{self.margin_in_force} is below margin {self.margin}"))
         return out
