@@ -219,7 +219,9 @@ def raised_margin(
         return margin  # covered by the margin in force: the finding is logged, the line stays
     # At least every draw the readings allow (``upper``), and the draw seen with the stated safety on
     # top (which covers what the reading may understate where nothing bounds it).
-    target = max(seen * (1.0 + m.safety), seen + m.step, upper or 0.0)
+    target = max(seen * (1.0 + m.safety), seen + m.step)
+    if upper is not None:
+        target = max(target, upper)
     if ceiling is not None:
         target = min(target, max(ceiling, seen))
     return max(margin, min(cap, target))
@@ -910,7 +912,7 @@ class LaneWatch:
         projected_with: float,
         requests: int,
         upper: float | None,
-        slack: float = 0.0,
+        slack: float,
     ) -> bool:
         """While a new build is unconfirmed, a reading that shows a new peak of what the lane draws for
         admitted work. It bounds the draw (a multiple of the cost terms) from below, ``observed / terms``:
@@ -940,10 +942,8 @@ class LaneWatch:
                 self.margin, 1.0, self._own.cost.margin, drew, m, self._ceiling(), upper, slack
             )
             self._in_flight = None  # a new build's fit: the in-flight work is judged at the margin
-        confirmed = (
-            upper is not None
-            and excess(round(terms * upper), round(terms * self.margin), m, requests) is None
-        )
+        # ``upper`` is one prefill's (``_bracket``: a reading of one request alone): one block of rounding.
+        confirmed = upper is not None and excess(round(terms * upper), round(terms * self.margin), m) is None
         if not confirmed and self.margin == before:
             return False  # a lower bound within the margin: nothing learnt
         why = self.conservative
