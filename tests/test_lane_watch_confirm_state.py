@@ -56,6 +56,7 @@ def records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, Any]]:
 
 
 def confirmed(drew: str, upper: str, before: str, after: str, how: str = "fit confirmed") -> str:
+    """The confirmation's log line, as an operator reads it (a bound from above: ``upper`` is x...)."""
     return f"{BUILD}: {how} (the lane drew x{drew} of its cost terms, at most {upper}); margin {before} -> {after}"
 
 
@@ -472,12 +473,14 @@ def test_the_state_shows_the_set_at_risk_the_crash_it_became_and_an_upgrade_unde
     }
 
 
-def test_the_state_of_a_new_build_before_and_after_a_reading_confirms_it() -> None:
+def test_the_state_of_a_new_build_before_and_after_a_reading_confirms_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """``/admission/state`` through an upgrade: the build, whether it is unconfirmed, why and since
     when, and the margin in force (x1.25 of 1.0123456, to four places); then a prompt alone whose
-    readings bound its draw at x0.990 to x0.992 of its cost terms confirms it: the wait is gone from
-    the state, the margin in force is the learned one again, and the monitor shows the draw the
-    readings bound."""
+    readings bound its draw at x0.990 to x0.992 of its cost terms confirms it, in one line with the
+    draw to four places: the wait is gone from the state, the margin in force is the learned one
+    again, and the monitor shows the draw the readings bound."""
     w, p, rules = lane()
     w.observe(reading(1.0, 10 * GIB, version="0.5.23"), IDLE, rules, 1.0)
     before = state_without_facts(w, 1.5)
@@ -532,7 +535,15 @@ def test_the_state_of_a_new_build_before_and_after_a_reading_confirms_it() -> No
         "monitor": monitor | {"margin": margin | conservative},
     }
 
-    assert serve(w, p, T, 1_040_000_000, 3.0) is True  # x0.9918 of its terms
+    caplog.clear()
+    assert serve(w, p, T, 1_040_000_000, 3.0) is True  # x0.99182 of its terms
+    assert records(caplog) == [
+        (
+            "WARNING",
+            confirmed("0.992", "x0.992", "1.012", "1.012"),
+            {"event": "engine_build_confirmed", "drew": 0.9918, "upper": 0.9918, "margin": 1.0123456},
+        )
+    ]
     assert state_without_facts(w, 4.2345678) == {
         "crashes": nothing,
         "engine_build": build | {"version": "0.5.24"},
