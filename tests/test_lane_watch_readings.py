@@ -21,7 +21,7 @@ from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot, SourceHealth
 from tests.conftest import MIB
-from tests.test_lane_watch_bracket import BLOCK, GROWTH, charge, see
+from tests.test_lane_watch_bracket import BLOCK, charge, see
 from tests.test_lane_watch_bracket import lane as bracket_lane
 from tests.test_monitor_reports import IDLE, reading, records
 from tests.test_monitor_reports import lane as reports_lane
@@ -39,7 +39,9 @@ def engine_at(snap: Snapshot, at: float) -> Snapshot:
 def gpu_at(snap: Snapshot, at: float, last_ok_at: float | None) -> Snapshot:
     """``snap`` with its GPU figure dated ``at`` and the GPU source's last good poll at ``last_ok_at``."""
     assert snap.gpu is not None
-    return replace(snap, gpu=replace(snap.gpu, observed_at=at), gpu_health=SourceHealth(last_ok_at=last_ok_at))
+    return replace(
+        snap, gpu=replace(snap.gpu, observed_at=at), gpu_health=SourceHealth(last_ok_at=last_ok_at)
+    )
 
 
 # -- which report is the new process's ------------------------------------------------------------------
@@ -325,3 +327,24 @@ def test_the_cost_fingerprint_does_not_depend_on_the_order_the_cost_fields_are_d
     other: Rules = replace(rules, cost=replace(rules.cost, margin=1.5))
     assert cost_fingerprint(other) != cost_fingerprint(rules)
     assert len(cost_fingerprint(rules)) == 16
+
+
+def test_a_new_build_drawing_its_margin_to_a_block_is_confirmed_without_a_raise() -> None:
+    """A new build (0.5.1 -> 0.5.2) on a lane whose margin is 3.0: r1's prefill ran (1,024 MiB of
+    terms, less a third of a byte: charged 3,072 MiB less a byte, all of it surely held), and the new
+    low shows 3,072 MiB plus one 2 MiB block. Its draw is bounded at x3 plus a block over its terms:
+    the learned margin seen at the readings' resolution, so the fit is confirmed and the margin stays
+    3.0 (the finding on that reading raises nothing either). Judged without the block, the bound is
+    past the margin and the new build's first prompts pay x3.15 for the allocator's rounding."""
+    w, rules = bracket_lane(cost__margin=3.0, monitor__max_margin=4.0)
+    w.observe(reading(0.1, 10 * GIB, version="0.5.1"), IDLE, rules, 0.1)
+    w.observe(reading(0.2, 10 * GIB, version="0.5.2"), IDLE, rules, 0.2)
+    assert w.margin_in_force == 3.75
+    charge(w, rules)
+    w.prefilled(1)
+    in_flight = 3 * GIB - 1
+    see(w, rules, 1.0, 3 * GIB + BLOCK, in_flight=in_flight, done=in_flight)
+    assert w.bracket == (3.0, 3.0 + BLOCK / GIB)
+    assert (w.conservative, w.margin, w.margin_in_force) == (None, 3.0, 3.0)
+    assert w.last is not None and (w.last.margin_before, w.last.margin_after) == (3.0, 3.0)
+    assert w.last.ratio == (3 * GIB + BLOCK) / in_flight
