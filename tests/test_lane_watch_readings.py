@@ -315,9 +315,9 @@ def test_a_fresh_watch_has_counted_nothing_and_is_in_no_conservative_state() -> 
 
 def test_the_cost_fingerprint_does_not_depend_on_the_order_the_cost_fields_are_declared_in() -> None:
     """A learned margin is kept for the same costs (``kept``/``restore``): the fingerprint reads the
-    cost section's fields by name, so a release that reorders them (or adds one at another place in
-    the code) keeps every lane's learned margin; one that hashed them in declaration order would
-    silently start every lane again from the policy's margin. Another figure is another fingerprint."""
+    cost section's fields by name, so a release that only reorders them in the code keeps every
+    lane's learned margin; one that hashed them in declaration order would silently start every lane
+    again from the policy's margin. Another figure is another fingerprint."""
     _, _, rules = reports_lane()
     fields: dict[str, Any] = asdict(rules.cost)
     reordered = make_dataclass("CostModel", [(name, object) for name in reversed(fields)])(**fields)
