@@ -1,0 +1,195 @@
+"""The admission controller's shell seams, pinned fast on a manual clock: what the hold queue waits
+for (the live view), when the pollers may slow down (``quiet``) and what ends it, an engine restart
+with work admitted, and strict order kept when held requests are decided again or time out."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sidecar.admission.controller import Admission
+from sidecar.core.decision import Reason
+from sidecar.core.snapshot import SourceHealth
+from tests.conftest import MIB, ManualClock, ask, snapshot, submit
+from tests.test_admission import make
+from tests.test_lane_learning import GIB, gpu, lane
+
+POLL_S = 0.5  # small_policy's engine.poll_interval_s
+
+
+def test_waiting_for_names_the_first_held_requests_reason_and_bytes(clock: ManualClock) -> None:
+    """The live view's "waiting for": nothing while nothing is held, else the head's reason and its
+    projected bytes (what must change for the queue to move), not a later request's."""
+    a, _ = make(clock, free_mib=1)
+    assert a.waiting_for() == (None, None)
+    first = submit(a, ask(a, 1000))
+    assert first.admitted and a.waiting_for() == (None, None)
+    big = submit(a, ask(a, 1000))
+    tiny = submit(a, ask(a, 10))
+    assert big.held and tiny.held
+    assert a.waiting_for() == ("vram_headroom", big.demand.projected_bytes)  # type: ignore[union-attr]
+    assert big.demand.projected_bytes == 1000 * 1024  # type: ignore[union-attr]
+
+
+def test_waiting_for_stale_signals_with_nothing_admitted(clock: ManualClock) -> None:
+    """Signals too old hold a request with the ledger empty: the view says so, with its bytes."""
+    a, _ = make(clock, free_mib=1)
+    clock.advance(6.0)  # past engine.max_age_s
+    h = submit(a, ask(a, 1000))
+    assert h.held and len(a.ledger) == 0
+    assert a.waiting_for() == ("signals_stale", 1000 * 1024)
+
+
+def test_quiet_after_one_poll_interval_of_nothing_and_not_a_hair_before(clock: ManualClock) -> None:
+    """The pollers slow down only after a whole poll interval with nothing opened, admitted, held or
+    failing: exactly at the interval it is quiet, just before it is not (reads must not thin early)."""
+    a, _ = make(clock)
+    assert a.quiet() is False  # the clock is far from zero: elapsed time, not the instant, counts
+    clock.advance(POLL_S - 0.001)
+    assert a.quiet() is False
+    clock.advance(0.001)
+    assert a.quiet() is True
+    assert a.quiet() is True
+
+
+def test_an_intake_ends_quiet_at_once_and_restarts_the_interval(clock: ManualClock) -> None:
+    """A gated request's intake wakes the pollers (``on_busy``) without a clock read, and the next
+    ``quiet`` counts the interval again from then, even though nothing was admitted."""
+    a, _ = make(clock)
+    woken: list[int] = []
+    a.on_busy = lambda: woken.append(1)
+    clock.advance(POLL_S)
+    assert a.quiet() is True
+    h = a.open()  # intake only: nothing submitted, nothing charged
+    assert woken == [1] and a._quiet is False
+    a.open()
+    assert woken == [1]  # already busy: one wake-up
+    clock.advance(POLL_S)
+    assert a.quiet() is False  # the opens were news: the interval starts now
+    clock.advance(POLL_S - 0.001)
+    assert a.quiet() is False
+    clock.advance(0.001)
+    assert a.quiet() is True
+    del h
+
+
+def test_admitted_work_keeps_the_pollers_busy(clock: ManualClock) -> None:
+    """A request in the ledger (nothing held) keeps reads at the poll interval: its release is what
+    the held ones will wait for."""
+    a, _ = make(clock)
+    h = submit(a, ask(a, 1000))
+    assert h.admitted and a.held == 0
+    a.quiet()
+    clock.advance(POLL_S * 3)
+    assert a.quiet() is False
+
+
+def test_held_work_keeps_the_pollers_busy(clock: ManualClock) -> None:
+    """A held request with the ledger empty (signals stale) keeps reads at the poll interval: the next
+    read is what lets it in."""
+    a, _ = make(clock)
+    clock.advance(6.0)
+    h = submit(a, ask(a, 1000))
+    assert h.held and len(a.ledger) == 0
+    a.quiet()
+    clock.advance(POLL_S * 3)
+    assert a.quiet() is False
+
+
+def test_a_failing_engine_or_gpu_source_is_read_at_its_interval(clock: ManualClock) -> None:
+    """Either source failing alone keeps the pollers busy (its failures and recovery are news); both
+    healthy again, quiet returns one interval later."""
+    for field in ("engine_health", "gpu_health"):
+        a, _ = make(clock)
+        failing = SourceHealth(None, "connection refused", 2)
+        a.snapshot = replace(a.snapshot, **{field: failing})
+        clock.advance(POLL_S * 3)
+        assert a.quiet() is False, field
+        a.snapshot = replace(a.snapshot, **{field: SourceHealth()})
+        clock.advance(POLL_S)
+        assert a.quiet() is True, field
+
+
+def test_an_admission_ends_quiet(clock: ManualClock) -> None:
+    """An admission into an empty ledger wakes the pollers, and ``quiet`` is over until the next
+    quiet interval: the admitted request's release must be seen at once."""
+    a, _ = make(clock)
+    woken: list[int] = []
+    a.on_busy = lambda: woken.append(1)
+    clock.advance(POLL_S)
+    assert a.quiet() is True
+    a._quiet = True
+    h = a.open()
+    assert woken == [1] and a._quiet is False
+    a._quiet = True  # quiet said again between intake and admission (a poller asked)
+    h.submit(ask(a, 1000))
+    assert h.admitted and woken == [1, 1] and a._quiet is False
+
+
+def test_a_restart_with_work_admitted_is_read_as_a_crash_of_that_set(clock: ManualClock) -> None:
+    """The engine restarts with a request still charged (no failed scrape first): that set, as of the
+    restart, is the evidence the new process's first report is read against (a crash raises the
+    margin), named with the scraper's reason; the GPU reading of the old process is marked blind."""
+    a = lane(clock)
+    big = submit(a, ask(a, 3000, request_id="big"))
+    assert big.admitted
+    clock.advance(1.0)
+    at = clock.t
+    a.engine_restarted("scheduler pid [1] -> [2]")
+    assert a.snapshot.engine_restarted_at == at
+    assert a.watch.crashes == 0
+    clock.advance(0.5)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
+    crash = a.watch.last_crash
+    assert a.watch.crashes == 1 and crash is not None
+    assert crash.why == "scheduler pid [1] -> [2]"
+    assert crash.admitted.at == at and crash.admitted.request_ids == ("big",)
+    assert crash.admitted.projected_bytes == 3000 * MIB and crash.admitted.budget_bytes == 4 * GIB
+    assert a.rules.cost.margin > 1.0
+
+
+def test_an_idle_restart_is_no_crash(clock: ManualClock) -> None:
+    """Nothing admitted and nothing seen failing: a restart is a restart (a deploy), never a crash
+    that raises the margin."""
+    a = lane(clock)
+    a.engine_restarted("scheduler pid [1] -> [2]")
+    assert a.snapshot.engine_restarted_at == clock.t
+    clock.advance(0.5)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
+    assert a.watch.crashes == 0 and a.watch.last_crash is None and a.rules.cost.margin == 1.0
+
+
+def _strict_order(clock: ManualClock) -> tuple[Admission, list]:
+    """1 MiB free: one admitted request fills it; ``big`` waits for room, ``tiny`` (which alone would
+    fit the 24 KiB left) waits behind it."""
+    a, _ = make(clock, free_mib=1)
+    first = submit(a, ask(a, 1000))
+    big = submit(a, ask(a, 1000))
+    tiny = submit(a, ask(a, 10))
+    assert first.admitted and big.held and tiny.held
+    return a, [first, big, tiny]
+
+
+def test_strict_order_holds_when_the_queue_is_decided_again(clock: ManualClock) -> None:
+    """A new reading decides every held request again, each told why the first one ahead waits: a
+    small request that would fit stays behind the big one (no overtaking)."""
+    a, (_, big, tiny) = _strict_order(clock)
+    clock.advance(0.1)
+    a.update_snapshot(snapshot(clock.t, free_bytes=MIB + 1))
+    assert big.held and tiny.held
+    assert tiny.decision is not None and tiny.decision.reason is Reason.VRAM_HEADROOM
+
+
+def test_a_timed_out_request_behind_the_head_is_refused_not_let_past_it(clock: ManualClock) -> None:
+    """A held request whose deadline comes while one ahead still waits is refused ``hold_timeout``,
+    even though it would fit: timing out must not let it overtake the head."""
+    a, (_, big, tiny) = _strict_order(clock)
+    clock.advance(1.0)
+    head = submit(a, ask(a, 1000, priority=1))  # a later deadline, first in the queue
+    clock.advance(28.9)
+    a.update_snapshot(snapshot(clock.t, free_bytes=MIB))  # fresh signals at the deadline
+    assert a._queue.head() is head and tiny.held
+    clock.advance(0.1)  # the tiny and big requests' deadline
+    for h in (big, tiny):
+        assert h.outcome is not None and h.outcome.value == "rejected"
+        assert h.decision is not None and h.decision.reason is Reason.HOLD_TIMEOUT
+    assert head.held and a.waiting_for() == ("vram_headroom", 1000 * 1024)
