@@ -4,10 +4,12 @@ with work admitted, and strict order kept when held requests are decided again o
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
-from sidecar.admission.controller import Admission
+from sidecar.admission.controller import Admission, Outcome
 from sidecar.core.decision import Reason
+from sidecar.core.ledger import LedgerTotals
 from sidecar.core.snapshot import SourceHealth
 from tests.conftest import MIB, ManualClock, ask, snapshot, submit
 from tests.test_admission import make
@@ -193,3 +195,48 @@ def test_a_timed_out_request_behind_the_head_is_refused_not_let_past_it(clock: M
         assert h.outcome is not None and h.outcome.value == "rejected"
         assert h.decision is not None and h.decision.reason is Reason.HOLD_TIMEOUT
     assert head.held and a.waiting_for() == ("vram_headroom", 1000 * 1024)
+
+
+def test_a_held_request_failing_upstream_names_no_admitted_set(clock: ManualClock) -> None:
+    """Only an admitted request's upstream failure says the engine may be dying with what is admitted:
+    a held one that ends ``upstream_error`` is no evidence, so a later idle restart is no crash."""
+    a = lane(clock, hold__max_wait_s=30)
+    big = submit(a, ask(a, 3000, request_id="big"))
+    waiting = submit(a, ask(a, 3000, request_id="waiting"))
+    assert big.admitted and waiting.held
+    waiting.end(Outcome.UPSTREAM_ERROR)
+    big.end(Outcome.COMPLETED)
+    a.engine_restarted("scheduler pid [1] -> [2]")
+    clock.advance(0.5)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
+    assert a.watch.crashes == 0 and a.rules.cost.margin == 1.0
+
+
+def test_an_admitted_request_failing_upstream_dates_the_evidence(clock: ManualClock) -> None:
+    """An admitted request's upstream failure records the admitted set as of that instant: the crash
+    read later names when the gate last saw that set, for the operator's timeline."""
+    a = lane(clock)
+    big = submit(a, ask(a, 3000, request_id="big"))
+    clock.advance(2.0)
+    failed_at = clock.t
+    big.end(Outcome.UPSTREAM_ERROR)
+    clock.advance(1.0)
+    a.engine_restarted("scheduler pid [1] -> [2]")
+    clock.advance(0.5)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
+    crash = a.watch.last_crash
+    assert crash is not None and crash.admitted.at == failed_at
+    assert crash.admitted.request_ids == ("big",)
+
+
+def test_a_second_first_byte_is_harmless(clock: ManualClock) -> None:
+    """The first-byte signal may come twice (a shell path that marks it again): the second changes
+    nothing and raises nothing; the request still ends with the ledger back at zero."""
+    a, rec = make(clock)
+    h = submit(a, ask(a, 1000))
+    h.prefill_done()
+    totals = a.ledger.totals
+    h.prefill_done()
+    assert a.ledger.totals == totals and a.in_flight() == []
+    h.end(Outcome.COMPLETED)
+    assert a.ledger.totals == LedgerTotals() and rec.outcomes == Counter({Outcome.COMPLETED: 1})
