@@ -13,7 +13,7 @@ from sidecar.core.ledger import LedgerTotals
 from sidecar.core.snapshot import SourceHealth
 from tests.conftest import MIB, ManualClock, ask, snapshot, submit
 from tests.test_admission import make
-from tests.test_lane_learning import GIB, gpu, lane
+from tests.test_lane_learning import GIB, failing, gpu, lane
 
 POLL_S = 0.5  # small_policy's engine.poll_interval_s
 
@@ -240,3 +240,96 @@ def test_a_second_first_byte_is_harmless(clock: ManualClock) -> None:
     assert a.ledger.totals == totals and a.in_flight() == []
     h.end(Outcome.COMPLETED)
     assert a.ledger.totals == LedgerTotals() and rec.outcomes == Counter({Outcome.COMPLETED: 1})
+
+
+def test_every_intake_is_news_to_quiet(clock: ManualClock) -> None:
+    """Each gated request's intake counts, not only the first: a second one after a quiet interval
+    keeps the pollers at their interval."""
+    a, _ = make(clock)
+    a.open()
+    assert a.quiet() is False
+    clock.advance(POLL_S)
+    assert a.quiet() is True
+    a.open()
+    clock.advance(POLL_S)
+    assert a.quiet() is False
+
+
+def _risked(a: Admission, clock: ManualClock):
+    """One request admitted, then a failed scrape: that set is kept as the evidence (at ``clock.t``)."""
+    h = submit(a, ask(a, 3000, request_id="big"))
+    clock.advance(0.1)
+    a.update_snapshot(failing(a.snapshot))
+    return h
+
+
+def _restart_and_report(a: Admission, clock: ManualClock) -> None:
+    a.engine_restarted("scheduler pid [1] -> [2]")
+    clock.advance(0.5)
+    a.update_snapshot(gpu(snapshot(clock.t, version="0.5.23"), clock.t, 4 * GIB))
+
+
+def test_a_report_of_the_same_engine_after_a_lost_scrape_clears_the_evidence(clock: ManualClock) -> None:
+    """The same engine answering with a report read no earlier than one poll interval before the
+    failure (here exactly that) says it did not die: a later idle restart is no crash."""
+    a = lane(clock)
+    h = _risked(a, clock)
+    failed_at = clock.t
+    clock.advance(1.0)
+    a.update_snapshot(gpu(snapshot(failed_at + POLL_S), clock.t, 4 * GIB - 3000 * MIB))
+    h.end(Outcome.COMPLETED)
+    _restart_and_report(a, clock)
+    assert a.watch.crashes == 0 and a.rules.cost.margin == 1.0
+
+
+def test_a_report_read_too_soon_after_the_failure_keeps_the_evidence(clock: ManualClock) -> None:
+    """A report read less than a poll interval after the failure may predate the engine's death: the
+    set stays the evidence, and the restart is read as a crash of it."""
+    a = lane(clock)
+    h = _risked(a, clock)
+    failed_at = clock.t
+    clock.advance(1.0)
+    a.update_snapshot(gpu(snapshot(failed_at + POLL_S - 0.01), clock.t, 4 * GIB - 3000 * MIB))
+    h.end(Outcome.COMPLETED)
+    _restart_and_report(a, clock)
+    crash = a.watch.last_crash
+    assert a.watch.crashes == 1 and crash is not None and crash.admitted.request_ids == ("big",)
+
+
+def test_healthy_reports_with_work_admitted_are_no_evidence(clock: ManualClock) -> None:
+    """Work admitted under a healthy engine is not a risk: after it completes, a restart is no crash."""
+    a = lane(clock)
+    h = submit(a, ask(a, 3000, request_id="big"))
+    clock.advance(1.0)
+    a.update_snapshot(gpu(snapshot(clock.t), clock.t, 4 * GIB - 3000 * MIB))
+    h.end(Outcome.COMPLETED)
+    _restart_and_report(a, clock)
+    assert a.watch.crashes == 0 and a.rules.cost.margin == 1.0
+
+
+def test_a_pump_with_nothing_changed_decides_only_the_head(clock: ManualClock) -> None:
+    """Issue 27's hold queue at scale: while the inputs behind the first held request stand, an event
+    decides only the head, not every request behind it (their decisions stay as they were)."""
+    a, (_, big, tiny) = _strict_order(clock)
+    before_big, before_tiny = big.decision, tiny.decision
+    a.pump()
+    assert big.decision is not before_big  # the head is decided again
+    assert tiny.decision is before_tiny  # the one behind it is not
+
+
+def test_a_refused_body_ending_moves_nothing_in_the_queue(clock: ManualClock) -> None:
+    """A request that ends without being admitted or held (a refused body) frees nothing: the held
+    queue is not decided again and no sooner engine read is asked for."""
+    a, _ = make(clock)
+    first = submit(a, ask(a, 1000))
+    clock.advance(6.0)  # the signals go stale: what arrives now waits for a fresh read
+    waiting = submit(a, ask(a, 1000))
+    assert first.admitted and waiting.held
+    wanted: list[int] = []
+    a.on_report_wanted = lambda: wanted.append(1)
+    first.end(Outcome.COMPLETED)
+    assert waiting.held and wanted == [1]  # a release with one held: read the engine sooner
+    before = waiting.decision
+    with a.open():
+        pass  # a body refused before submitting: outcome bad_request
+    assert wanted == [1] and waiting.decision is before
