@@ -13,12 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from sidecar.core.values import ORIGINAL_INIT, fast_init
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_classes_made_here() -> Iterator[None]:
+    """``ORIGINAL_INIT`` is global and ``tests/test_core_values.py`` checks every class in it: the
+    throwaway classes made here leave it as they found it."""
+    before = dict(ORIGINAL_INIT)
+    yield
+    ORIGINAL_INIT.clear()
+    ORIGINAL_INIT.update(before)
 
 
 def _original(cls: type, *args: Any, **kw: Any) -> Any:
