@@ -24,7 +24,7 @@ from sidecar.core.rules import Rules
 from sidecar.policy.in_force import rules_in_force
 from sidecar.policy.schema import Monitor, Policy
 from tests.conftest import MIB
-from tests.test_monitor_reports import IDLE, lane, reading
+from tests.test_monitor_reports import IDLE, fresh_monitor, lane, reading
 
 GIB = 1024 * MIB
 BUILD = "engine build 0.5.23 -> 0.5.24"
@@ -484,25 +484,8 @@ def test_the_state_of_a_new_build_before_and_after_a_reading_confirms_it(
     w, p, rules = lane()
     w.observe(reading(1.0, 10 * GIB, version="0.5.23"), IDLE, rules, 1.0)
     before = state_without_facts(w, 1.5)
-    margin = {
-        "policy": 1.0123456,
-        "effective": 1.0123,
-        "in_flight": 1.0123,
-        "raised": False,
-        "since_age_s": None,
-        "why": None,
-    }
-    monitor = {
-        "underestimates": 0,
-        "unprojected_allocations": 0,
-        "worst_ratio": None,
-        "last": None,
-        "covered_ratio": None,
-        "draw_bracket": None,
-        "raise_margin": True,
-        "max_margin": 1.5,
-        "margin": margin,
-    }
+    monitor = fresh_monitor()
+    margin = monitor["margin"]
     device = {"ident": "GPU-0", "free_bytes": 10 * GIB, "other_process_bytes": None}
     idle = {
         "policy": 10 * GIB,

@@ -37,6 +37,18 @@ from tests.test_monitor_reports import GIB, lane, records
 CRASH_TARGET = (3221 + 16) / (3000 / 1.0123456) * 1.05
 
 
+# What a record of ``admitted("a", "b")`` shows (``AdmittedSet.fields``), and the crash read from it.
+SET_AB = {
+    "request_ids": ["a", "b"],
+    "requests": 2,
+    "projected_bytes": 3000 * MIB,
+    "priced_margin": 1.0123,
+    "budget_bytes": 3221 * MIB,
+    "reserve_bytes": 16 * MIB,
+}
+CRASH_AB = {"why": "scheduler pid [1] -> [2]", **SET_AB, "margin_before": 1.0123, "margin_after": 1.1469}
+
+
 def admitted(*ids: str, budget: int | None = 3221 * MIB, projected: int = 3000 * MIB) -> AdmittedSet:
     return AdmittedSet(5.0, ids, projected, 1.0123456, budget, 16 * MIB)
 
@@ -102,17 +114,7 @@ def test_a_crashs_fields_are_the_set_and_the_margins_at_four_places() -> None:
     why the engine went, the set, and the margin before and after at four places."""
     s = admitted("a", "b")
     c = Crash(7.0, "scheduler pid [1] -> [2]", s, 1.0123456, CRASH_TARGET)
-    assert c.fields() == {
-        "why": "scheduler pid [1] -> [2]",
-        "request_ids": ["a", "b"],
-        "requests": 2,
-        "projected_bytes": 3000 * MIB,
-        "priced_margin": 1.0123,
-        "budget_bytes": 3221 * MIB,
-        "reserve_bytes": 16 * MIB,
-        "margin_before": 1.0123,
-        "margin_after": 1.1469,
-    }
+    assert c.fields() == CRASH_AB
 
 
 # -- the crash rule ----------------------------------------------------------------------------------
@@ -129,17 +131,7 @@ def test_a_crash_raises_the_margin_logs_the_set_and_is_kept(caplog: pytest.LogCa
         assert crashed(w, admitted("a", "b")) is True
     assert w.margin == pytest.approx(CRASH_TARGET, rel=1e-12) and w.crash_margin == w.margin
     assert learned == [w.margin]
-    fields = {
-        "why": "scheduler pid [1] -> [2]",
-        "request_ids": ["a", "b"],
-        "requests": 2,
-        "projected_bytes": 3000 * MIB,
-        "priced_margin": 1.0123,
-        "budget_bytes": 3221 * MIB,
-        "reserve_bytes": 16 * MIB,
-        "margin_before": 1.0123,
-        "margin_after": 1.1469,
-    }
+    fields = CRASH_AB
     assert [r for r in records(caplog) if r[2]["event"] == "engine_crash"] == [
         (
             "WARNING",

@@ -17,22 +17,12 @@ import pytest
 from sidecar.admission.lane_watch import NEW_BUILD_SAFETY, LaneWatch
 from sidecar.core.rules import Rules
 from sidecar.core.snapshot import Snapshot, SourceHealth
-from tests.conftest import MIB, snapshot
-from tests.test_lane_watch_crash_rule import CRASH_TARGET, admitted
+from tests.conftest import snapshot
+from tests.test_lane_watch_crash_rule import CRASH_TARGET, SET_AB, admitted
 from tests.test_monitor_reports import IDLE, lane, records
 
 LOGGER = "sidecar.admission.lane_watch"
 WHY = "scheduler pid [1] -> [2]"
-
-# What the ``engine_upgraded_under_load`` line shows of ``admitted("a", "b")``.
-SET_AB = {
-    "request_ids": ["a", "b"],
-    "requests": 2,
-    "projected_bytes": 3000 * MIB,
-    "priced_margin": 1.0123,
-    "budget_bytes": 3221 * MIB,
-    "reserve_bytes": 16 * MIB,
-}
 
 
 def report(at: float, version: str | None, failures: int = 0) -> Snapshot:

@@ -118,17 +118,9 @@ def test_a_finding_reads_as_one_sentence() -> None:
 # -- /admission/state ----------------------------------------------------------------------------------
 
 
-def test_the_state_before_and_after_measuring_and_after_a_finding() -> None:
-    w, p, rules = lane(vram__idle_free_bytes="auto")
-    margin = {
-        "policy": 1.0123456,
-        "effective": 1.0123,
-        "in_flight": 1.0123,
-        "raised": False,
-        "since_age_s": None,
-        "why": None,
-    }
-    monitor = {
+def fresh_monitor() -> dict:
+    """``/admission/state``'s ``monitor`` block of :func:`lane` before it has found or learnt anything."""
+    return {
         "underestimates": 0,
         "unprojected_allocations": 0,
         "worst_ratio": None,
@@ -137,8 +129,21 @@ def test_the_state_before_and_after_measuring_and_after_a_finding() -> None:
         "draw_bracket": None,
         "raise_margin": True,
         "max_margin": 1.5,
-        "margin": margin,
+        "margin": {
+            "policy": 1.0123456,
+            "effective": 1.0123,
+            "in_flight": 1.0123,
+            "raised": False,
+            "since_age_s": None,
+            "why": None,
+        },
     }
+
+
+def test_the_state_before_and_after_measuring_and_after_a_finding() -> None:
+    w, p, rules = lane(vram__idle_free_bytes="auto")
+    monitor = fresh_monitor()
+    margin = monitor["margin"]
     idle = {
         "policy": p.vram.idle_free_bytes,
         "measured_bytes": None,
