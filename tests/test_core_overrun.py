@@ -19,6 +19,7 @@ from sidecar.core.overrun import (
     Overrun,
     Prefill,
     PrefillProgress,
+    done_bytes,
     final_bytes,
     in_flight_bytes,
     overruns,
@@ -1036,3 +1037,54 @@ def test_an_unfit_prefill_aborted_first_no_longer_joins_the_batch() -> None:
     big, small = ask(r, 25_000, "big"), ask(r, 1_000, "small")
     found = overruns([Prefill(1, small), Prefill(2, big)], r, gpu(), running=5)
     assert [(o.key, o.fits_idle) for o in found] == [(2, False)]
+
+
+# -- the seam: what ``update_snapshot`` hands the lane watch of a lone prefill's done work --------------
+
+
+def _observed_done(a: Admission, snap: Snapshot) -> list[int | None]:
+    """The ``done`` bytes ``update_snapshot`` passes to ``LaneWatch.observe`` for ``snap``."""
+    seen: list[int | None] = []
+    real = a.watch.observe
+
+    def spy(*args: object) -> bool:
+        seen.append(args[-1])  # type: ignore[arg-type]
+        return real(*args)  # type: ignore[arg-type]
+
+    a.watch.observe = spy  # type: ignore[method-assign]
+    try:
+        a.update_snapshot(snap)
+    finally:
+        del a.watch.observe
+    return seen
+
+
+def test_a_lone_prefill_s_done_bytes_reach_the_lane_watch_with_a_counter_no_later_than_the_reading(
+    clock: ManualClock,
+) -> None:
+    """The upper bound on a lone prefill's draw needs what it has surely allocated (``done_bytes``, the
+    chunk after those its counter showed done). The controller passes it when the engine's counter was
+    read no later than the GPU reading (the same instant included), and None when later: a later
+    counter may count chunks run after the reading (``update_snapshot``)."""
+    a = Admission(policy(), clock)
+    a.update_snapshot(snapshot(clock.t, prefill_computed_tokens=100, prefill_cached_tokens=0))
+    admitted(a, [5_000])
+    same = snapshot(clock.t, prefill_computed_tokens=2_100, prefill_cached_tokens=0)
+    assert same.engine is not None and same.gpu is not None
+    assert same.engine.observed_at == same.gpu.observed_at
+    (done,) = _observed_done(a, same)
+    expected = done_bytes(a.in_flight(), a.watch.priced)
+    assert done == expected and expected is not None and expected > 0
+    # A counter read after the reading: nothing sure, None (not 0, which would also say "nothing").
+    clock.advance(0.01)
+    later = snapshot(clock.t, prefill_computed_tokens=3_100, prefill_cached_tokens=0)
+    assert later.gpu is not None
+    later = replace(later, gpu=GpuSignals(clock.t - 0.005, "test", later.gpu.devices))
+    assert _observed_done(a, later) == [None]
+    # A reading newer than the counter: passed again, at the new progress.
+    clock.advance(0.01)
+    newer = snapshot(clock.t, prefill_computed_tokens=3_100, prefill_cached_tokens=0)
+    assert newer.gpu is not None
+    newer = replace(newer, gpu=GpuSignals(clock.t + 0.005, "test", newer.gpu.devices))
+    (done,) = _observed_done(a, newer)
+    assert done == done_bytes(a.in_flight(), a.watch.priced) and done is not None and done > expected
