@@ -130,7 +130,8 @@ def test_a_crash_raises_the_margin_logs_the_set_and_is_kept(caplog: pytest.LogCa
     with caplog.at_level(logging.INFO, logger="sidecar.admission.lane_watch"):
         assert crashed(w, admitted("a", "b")) is True
     assert w.margin == pytest.approx(CRASH_TARGET, rel=1e-12) and w.crash_margin == w.margin
-    assert learned == [w.margin]
+    # Written twice: the pending restart (its evidence, before the margin moved), then the crash.
+    assert learned == [1.0123456, w.margin]
     fields = CRASH_AB
     assert [r for r in records(caplog) if r[2]["event"] == "engine_crash"] == [
         (

@@ -82,7 +82,8 @@ def test_a_restart_onto_another_build_with_work_admitted_is_an_upgrade_not_a_cra
             ),
         ]
     assert (w.crashes, w.upgrades, w.last_crash, w.crash_margin) == (0, 1, None, None)
-    assert w.margin == 1.0123456 and w.build == "0.5.24" and learned == ["0.5.24"]
+    # Written when the restart was noticed (its evidence pending, on the old build), then the new build.
+    assert w.margin == 1.0123456 and w.build == "0.5.24" and learned == ["0.5.23", "0.5.24"]
     assert w.conservative == "engine build 0.5.23 -> 0.5.24" and w.conservative_since == 11.0
     assert w.margin_in_force == pytest.approx(1.0123456 * (1.0 + NEW_BUILD_SAFETY), rel=1e-12)
     assert w.state(11.0)["crashes"]["upgrades_under_load"] == 1

@@ -419,6 +419,8 @@ async def test_poll_once_merges_the_three_endpoints(respx_mock, client) -> None:
         max_running_requests=24,
         gpus=1,
         version="0.5.23",
+        # The scheduler's pid label (the fixture's): which process answered (``LaneWatch._read_carried``).
+        pids=("21662",),
         sources=("server_info", "metrics", "loads"),
     )
     assert metrics.calls.last.request.headers["accept"] == METRICS_ACCEPT

@@ -88,16 +88,53 @@ class AdmittedSet:
     margin: float
     budget_bytes: int | None
     reserve_bytes: int
+    # The engine's scheduler pids then (its last report's): across a sidecar restart, what tells the
+    # process that was failing from a new one (``LaneWatch._read_carried``).
+    pids: tuple[str, ...] = ()
+    # How many were admitted, where ``request_ids`` holds only the first ``MAX_IDS`` (a set the state
+    # file kept); 0: as many as ``request_ids``.
+    requests: int = 0
+
+    @property
+    def count(self) -> int:
+        return max(self.requests, len(self.request_ids))
 
     def fields(self) -> dict[str, Any]:
         return {
             "request_ids": list(self.request_ids[:MAX_IDS]),
-            "requests": len(self.request_ids),
+            "requests": self.count,
             "projected_bytes": self.projected_bytes,
             "priced_margin": round(self.margin, 4),
             "budget_bytes": self.budget_bytes,
             "reserve_bytes": self.reserve_bytes,
         }
+
+    def kept(self) -> dict[str, Any]:
+        """For the state file: what ``crash_margin`` reads (the margin at full precision), the first
+        ``MAX_IDS`` ids with the count, and the pids (``at`` in the watch's clock)."""
+        return {
+            "at": self.at,
+            "request_ids": list(self.request_ids[:MAX_IDS]),
+            "requests": self.count,
+            "projected_bytes": self.projected_bytes,
+            "priced_margin": self.margin,
+            "budget_bytes": self.budget_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "engine_pids": list(self.pids),
+        }
+
+    @classmethod
+    def from_kept(cls, d: dict[str, Any]) -> AdmittedSet:
+        return cls(
+            d["at"],
+            tuple(d["request_ids"]),
+            d["projected_bytes"],
+            d["priced_margin"],
+            d["budget_bytes"],
+            d["reserve_bytes"],
+            tuple(d.get("engine_pids", ())),
+            d.get("requests", 0),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +362,9 @@ class LaneWatch:
         # hair before the restart was noticed).
         self._last_report_at = -math.inf
         self._old_report_at = -math.inf
+        # Evidence (``_risk``, ``_restart``) restored from the state file that no engine report of
+        # this sidecar has been read against yet (``_read_carried``).
+        self._carried = False
         self.upgrades = 0  # restarts onto another build with work admitted (not crashes)
         self.crashes = 0
         self.last_crash: Crash | None = None
@@ -425,14 +465,24 @@ class LaneWatch:
         failing), the restart is read when the new process first reports (``_read_restart``): the same
         build, a crash (an under-prediction of that set, ``_crash``); another build, a planned upgrade
         (conservative until confirmed, ``_see_build``). True when the margin in force changed."""
-        evidence = self._risk or admitted
-        self._risk = None
-        # An earlier restart whose process never reported: no build to tell an upgrade by, a crash.
-        changed = self._read_restart(None)
-        if evidence is not None:
-            # Read when the new process first reports (``_read_restart``): its build tells a planned
-            # upgrade from a crash.
-            self._restart = (now, why, evidence)
+        changed = False
+        if self._carried:
+            # Evidence restored from the state file and no report read yet: this restart is the one
+            # it awaits (a sidecar started while the engine was down sees it come back), not a second
+            # one; the first report decides (``_read_carried``). A set of this sidecar's own is a set
+            # at risk until then.
+            if admitted is not None:
+                self.at_risk(admitted)
+        else:
+            evidence = self._risk or admitted
+            self._risk = None
+            # An earlier restart whose process never reported: no build to tell an upgrade by, a crash.
+            changed = self._read_restart(None)
+            if evidence is not None:
+                # Read when the new process first reports (``_read_restart``): its build tells a
+                # planned upgrade from a crash. Kept in the state file until then.
+                self._restart = (now, why, evidence)
+                self.on_learned()
         self._restarted_at = now
         self._old_report_at = self._last_report_at
         self._served_raw = 0
@@ -481,7 +531,7 @@ class LaneWatch:
                 why,
                 self.build,
                 version,
-                len(evidence.request_ids),
+                evidence.count,
                 extra={
                     "fields": {
                         "event": "engine_upgraded_under_load",
@@ -500,12 +550,52 @@ class LaneWatch:
         sign wins (the set shrinks as the failed requests end)."""
         if self._risk is None and s.request_ids:
             self._risk = s
+            self.on_learned()  # a sidecar restart before the engine is back keeps it (``kept``)
 
     def engine_ok(self, now: float, since: float) -> None:
         """The same engine process answered, read ``since`` or later than the set was kept: it did not
-        die (a lost scrape, one broken connection), and the set is no evidence."""
-        if self._risk is not None and since >= self._risk.at:
+        die (a lost scrape, one broken connection), and the set is no evidence. Not a set restored
+        from the state file: this sidecar cannot tell which process answers by when it reported, only
+        by its pids (``_read_carried``)."""
+        if not self._carried and self._risk is not None and since >= self._risk.at:
             self._risk = None
+            self.on_learned()
+
+    def _read_carried(self, snap: Snapshot, now: float) -> None:
+        """Evidence restored from the state file, at this sidecar's first clean engine report. A restart
+        the previous sidecar noticed stays pending: this report is the new process's (``_read_restart``
+        reads it next), whatever its pids (a restarted container may reuse the old numbers). A set
+        seen failing with no restart noticed: the scheduler pids tell the process. The same pids as
+        when the set was kept: the process that was failing answers, it did not die (``engine_ok``:
+        the set is no evidence). Other pids, none where it named some (a process that published its
+        pid-labelled gauges keeps publishing them; a fresh one has none yet), or none on either side
+        (nothing tells; the engine was seen failing with work admitted, and a restart not ruled out
+        is read as one: the safe side): a new process, and this its first report; read as a restart
+        noticed now."""
+        e = snap.engine
+        if not self._carried or e is None or snap.engine_health.consecutive_failures:
+            return
+        self._carried = False
+        s = self._risk
+        if s is None or self._restart is not None:
+            return
+        self._risk = None
+        if s.pids and e.pids == s.pids:
+            log.info(
+                "the engine that was failing when the sidecar restarted answers with the same scheduler "
+                "pids %s: the same process, no restart; the %d request(s) then admitted are no evidence",
+                list(s.pids),
+                s.count,
+                extra={"fields": {"event": "engine_same_process", "pids": list(s.pids)}},
+            )
+            self.on_learned()
+            return
+        why = (
+            f"failing when the sidecar restarted; scheduler pid {list(s.pids)} -> {list(e.pids)}"
+            if s.pids or e.pids
+            else "failing when the sidecar restarted; no scheduler pid to tell the process by"
+        )
+        self._restart = (now, why, s)
 
     def admitted_set(self, totals: LedgerTotals, rules: Rules, snap: Snapshot, now: float) -> AdmittedSet:
         """What is admitted now, for ``at_risk``: its projection and what the gate could hand out."""
@@ -523,6 +613,7 @@ class LaneWatch:
             self._charged_with,
             budget,
             v.reserve_bytes,
+            snap.engine.pids if snap.engine is not None else (),
         )
 
     def _crash(self, now: float, why: str, s: AdmittedSet) -> bool:
@@ -542,7 +633,7 @@ class LaneWatch:
             "engine restarted (%s) while the gate had admitted %d request(s) projected at %.0f MiB of a "
             "%s budget: read as an under-prediction, margin %.3f -> %.3f%s; admitted: %s",
             why,
-            len(s.request_ids),
+            s.count,
             s.projected_bytes / 2**20,
             "unknown" if s.budget_bytes is None else f"{s.budget_bytes / 2**20:,.0f} MiB",
             before,
@@ -653,6 +744,7 @@ class LaneWatch:
         compared at the next snapshot, with the next engine report. ``done``: what a prefill in flight
         alone has surely allocated (``core/overrun.done_bytes``, the chunks the counter showed done), None
         where nothing says: the readings' upper bound on the draw (``draw_bracket``)."""
+        self._read_carried(snap, now)
         changed = self._read_restart(snap)
         changed = self._measure_idle(snap, rules, now) or changed
         if snap.engine is not None and not snap.engine_health.consecutive_failures:
@@ -977,8 +1069,12 @@ class LaneWatch:
         """What a sidecar restart keeps, as JSON: the margins learned against these costs, the engine
         build and, while it is unconfirmed, why and since when (this watch's clock: ``ops/learned_file``
         writes it as wall-clock time), with the margin in force (for the reader: ``restore`` derives it
-        again from the learned margin, under the policy in force then)."""
+        again from the learned margin, under the policy in force then); and the crash evidence not yet
+        read: the set admitted when the engine was seen failing (``at_risk``) and a restart noticed
+        whose new process has not reported (``pending_restart``), so that a sidecar restarted while a
+        big model loads still reads the crash when the engine is back."""
         unconfirmed = self.conservative is not None
+        pending = self._restart
         return {
             "version": STATE_VERSION,
             "cost_fingerprint": self._fingerprint,
@@ -989,6 +1085,10 @@ class LaneWatch:
             "conservative": self.conservative,
             "conservative_since": self.conservative_since if unconfirmed else None,
             "margin_in_force": self.margin_in_force,
+            "at_risk": None if self._risk is None else self._risk.kept(),
+            "pending_restart": None
+            if pending is None
+            else {"at": pending[0], "why": pending[1], "admitted": pending[2].kept()},
         }
 
     def restore(self, saved: dict[str, Any], now: float) -> str:
@@ -996,7 +1096,9 @@ class LaneWatch:
         The engine build and an unconfirmed state always (a sidecar restarted before a new build was
         confirmed stays conservative: the old margin is no evidence about it), since when in this
         watch's clock (``now`` where the file does not say). Margins only for the same costs (another
-        calibration starts from its own margin); never below the policy's margin nor above the cap."""
+        calibration starts from its own margin); never below the policy's margin nor above the cap. The
+        crash evidence not yet read (``kept``) only for the same costs too (its projection is priced in
+        them): it comes back armed, read at this sidecar's first engine report (``_read_carried``)."""
         self.build = saved.get("engine_build")
         self.conservative = saved.get("conservative")
         since = saved.get("conservative_since")
@@ -1014,8 +1116,22 @@ class LaneWatch:
             self.crash_margin = min(cap, crash)
         return (
             f"margin {self.margin:.4f} (in force {self.margin_in_force:.4f}), {build}, "
-            f"{self.crashes} crash(es) before"
+            f"{self.crashes} crash(es) before{self._restore_pending(saved)}"
         )
+
+    def _restore_pending(self, saved: dict[str, Any]) -> str:
+        """The crash evidence ``kept`` wrote, armed again (``restore``); what it says of it."""
+        risk, pending = saved.get("at_risk"), saved.get("pending_restart")
+        said = ""
+        if risk is not None:
+            self._risk = AdmittedSet.from_kept(risk)
+            said += f"; engine seen failing with {self._risk.count} request(s) admitted"
+        if pending is not None:
+            s = AdmittedSet.from_kept(pending["admitted"])
+            self._restart = (pending["at"], pending["why"], s)
+            said += f"; engine restarted ({pending['why']}) with {s.count} request(s) admitted"
+        self._carried = bool(said)
+        return said + (": read at the engine's first report" if said else "")
 
     def _baseline(self) -> tuple[int, int | None] | None:
         """(idle free, other processes then): the sidecar's measurement, else the policy's figure."""

@@ -4,7 +4,8 @@ kept across a sidecar restart (docs/robustness.md "The state file").
 It holds the lane watch's ``kept()`` value as JSON: the margins learned against the policy's costs
 (the monitor's and a crash's), the engine build, and, while that build is unconfirmed, why, since when
 (wall-clock Unix seconds here; the watch keeps its own monotonic clock, converted at this edge) and the
-margin in force. Written whenever one of them changes, atomically (a temporary file in the same
+margin in force; and the crash evidence not read yet (the set admitted when the engine was seen
+failing, a restart whose new process has not reported), with its instants converted the same way. Written whenever one of them changes, atomically (a temporary file in the same
 directory, flushed and synced, then renamed over the old one), so a crash mid-write leaves the previous
 file whole. Read once at start: a missing file is a first start. A file that cannot be read, is not
 JSON, or is not a state this sidecar wrote (a field missing, of the wrong type, or unknown; another
@@ -22,11 +23,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sidecar.admission.lane_watch import STATE_VERSION, LaneWatch
+from sidecar.admission.lane_watch import MAX_IDS, STATE_VERSION, LaneWatch
 from sidecar.policy.yamlfile import ConfigError
 
 log = logging.getLogger("sidecar.ops.learned_file")
@@ -39,6 +40,43 @@ class StateFileError(ConfigError):
     """A state file that cannot be restored, each problem as ``file[:line]: field: problem``."""
 
     kind = "state file"
+
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+# Unix seconds (the watch's instants as this edge writes them).
+Instant = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class SavedSet(BaseModel):
+    """An admitted set kept as crash evidence (``AdmittedSet.kept``): what ``crash_margin`` reads."""
+
+    model_config = _STRICT
+
+    at: Instant  # when the engine was seen failing with it admitted
+    request_ids: list[str] = Field(max_length=MAX_IDS)
+    requests: int = Field(ge=0)
+    projected_bytes: int = Field(ge=0)
+    priced_margin: float = Field(gt=0, allow_inf_nan=False)
+    budget_bytes: int | None
+    reserve_bytes: int = Field(ge=0)
+    engine_pids: list[str] = Field(max_length=4096)
+
+    def problems(self, where: str) -> list[tuple[str, str]]:
+        if self.requests < len(self.request_ids):
+            return [
+                (f"{where}.requests", f"{self.requests} is below the {len(self.request_ids)} request_ids")
+            ]
+        return []
+
+
+class SavedRestart(BaseModel):
+    """An engine restart noticed with work admitted, not read yet (the new process never reported)."""
+
+    model_config = _STRICT
+
+    at: Instant  # when the restart was noticed
+    why: str = Field(min_length=1)
+    admitted: SavedSet
 
 
 class SavedState(BaseModel):
@@ -57,6 +95,9 @@ class SavedState(BaseModel):
     # Added with the unconfirmed build's time; absent in files written before (read as "now").
     conservative_since: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     margin_in_force: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # Added with the crash evidence not read yet; absent in files written before (none pending).
+    at_risk: SavedSet | None = None
+    pending_restart: SavedRestart | None = None
 
     def problems(self) -> list[tuple[str, str]]:
         """(field, problem) for what each field allows alone but not with the others."""
@@ -71,6 +112,10 @@ class SavedState(BaseModel):
             out.append(("crash_margin", f"{self.crash_margin} is above margin {self.margin}"))
         if self.margin_in_force is not None and self.margin_in_force < self.margin:
             out.append(("margin_in_force", f"{self.margin_in_force} is below margin {self.margin}"))
+        if self.at_risk is not None:
+            out += self.at_risk.problems("at_risk")
+        if self.pending_restart is not None:
+            out += self.pending_restart.admitted.problems("pending_restart.admitted")
         return out
 
 
@@ -120,10 +165,9 @@ def restore(
     if saved is None:
         return None
     kept: dict[str, Any] = saved.model_dump()
-    if saved.conservative_since is not None:
-        # Unix seconds to the watch's clock; a time ahead of this host's clock (another host's skew)
-        # counts from now.
-        kept["conservative_since"] = now() - max(0.0, wall() - saved.conservative_since)
+    # Unix seconds to the watch's clock; a time ahead of this host's clock (another host's skew) counts
+    # from now.
+    kept = _instants(kept, lambda at: now() - max(0.0, wall() - at))
     said = watch.restore(kept, now())
     log.info(
         "state file %s: %s", path, said, extra={"fields": {"event": "state_restored", "path": str(path)}}
@@ -132,11 +176,22 @@ def restore(
 
 
 def to_file(kept: dict[str, Any], now: float, wall: float) -> dict[str, Any]:
-    """``LaneWatch.kept`` with its clock's time as Unix seconds (``now``, ``wall``: the same instant)."""
-    since = kept.get("conservative_since")
-    if since is None:
-        return kept
-    return kept | {"conservative_since": round(wall - (now - since), 3)}
+    """``LaneWatch.kept`` with its clock's times as Unix seconds (``now``, ``wall``: the same instant)."""
+    return _instants(kept, lambda at: round(wall - (now - at), 3))
+
+
+def _instants(kept: dict[str, Any], convert: Callable[[float], float]) -> dict[str, Any]:
+    """``kept`` with each instant in it (those not null) converted: from the watch's clock to Unix
+    seconds or back."""
+    out = dict(kept)
+    if out.get("conservative_since") is not None:
+        out["conservative_since"] = convert(out["conservative_since"])
+    if (risk := out.get("at_risk")) is not None:
+        out["at_risk"] = risk | {"at": convert(risk["at"])}
+    if (pending := out.get("pending_restart")) is not None:
+        admitted = pending["admitted"] | {"at": convert(pending["admitted"]["at"])}
+        out["pending_restart"] = pending | {"at": convert(pending["at"]), "admitted": admitted}
+    return out
 
 
 def write(path: Path, state: dict[str, Any]) -> None:

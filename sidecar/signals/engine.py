@@ -49,6 +49,7 @@ _ENGINE_FIELDS = frozenset(f.name for f in fields(EngineSignals)) - {
     "observed_at",
     "sources",
     "prefill_counted_at",
+    "pids",
 }
 
 
@@ -878,6 +879,7 @@ class EngineScraper:
             observed_at=observed_at,
             sources=tuple(sources),
             prefill_counted_at=counted_at,
+            pids=tuple(sorted(pids)),
             **merged,  # type: ignore[arg-type]
         )
 
