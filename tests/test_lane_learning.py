@@ -152,12 +152,20 @@ def test_the_state_file_keeps_the_margin_across_a_sidecar_restart_atomically(
         learned_file.restore(path, d.watch)
 
 
-def fresh(clock: ManualClock, path: Path, version: str, **overrides: object) -> Admission:
-    """A sidecar started with ``path`` as its state file, then its first snapshot (``lane``'s figures)."""
+def started(clock: ManualClock, path: Path, **overrides: object) -> Admission:
+    """A sidecar started with ``path`` as its state file, before any snapshot."""
     a = Admission(small_policy(**(LANE | overrides)), clock)
     learned_file.keep(path, a.watch, clock, wall=lambda: EPOCH + clock.t)
     a.refresh_rules()
-    a.update_snapshot(gpu(snapshot(clock.t, version=version), clock.t, 4 * GIB))
+    return a
+
+
+def fresh(
+    clock: ManualClock, path: Path, version: str, pids: tuple[str, ...] = (), **overrides: object
+) -> Admission:
+    """A sidecar started with ``path`` as its state file, then its first snapshot (``lane``'s figures)."""
+    a = started(clock, path, **overrides)
+    a.update_snapshot(gpu(snapshot(clock.t, version=version, pids=pids), clock.t, 4 * GIB))
     return a
 
 
@@ -206,6 +214,67 @@ def test_a_sidecar_restarted_before_a_new_build_is_confirmed_stays_conservative_
     assert fresh(clock, path, "0.5.24").rules.cost.margin == 1.0
 
 
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.24"])
+def test_a_sidecar_restarted_while_the_engine_restarts_still_reads_the_crash(
+    clock: ManualClock, tmp_path: Path, version: str
+) -> None:
+    """Issue 29 item 2: the engine dies with work admitted and the sidecar restarts before the engine
+    is back (a big model loads for minutes). The set the gate had admitted is in the state file; the
+    restarted sidecar reads it at the new process's first report as the old one would have: the same
+    build, a crash (the margin rises so the set would not fit); another, a planned upgrade (priced
+    conservatively until a reading confirms the fit)."""
+    path = tmp_path / "lane.json"
+    a = fresh(clock, path, "0.5.23", pids=("101",))
+    big = submit(a, ask(a, 3000, request_id="big"))  # 3,000 MiB of a 4,096 MiB budget
+    big.end(Outcome.UPSTREAM_ERROR)  # the engine broke its connection: it may be dying with it
+    clock.advance(1.0)
+    a.update_snapshot(failing(a.snapshot))
+    saved = json.loads(path.read_text())["at_risk"]
+    assert saved["request_ids"] == ["big"] and saved["engine_pids"] == ["101"]
+    assert saved["at"] == pytest.approx(EPOCH + clock.t - 1.0) and saved["budget_bytes"] == 4 * GIB
+
+    # The sidecar restarts 30 s later; the engine is still loading, then answers as a new process
+    # (the scraper saw it fail, then answer: a restart, read at the report that follows).
+    clock.advance(30.0)
+    b = started(clock, path)
+    b.update_snapshot(failing(Snapshot(), failures=3))
+    clock.advance(60.0)
+    b.engine_restarted("it answered again after a failed scrape")
+    b.update_snapshot(gpu(snapshot(clock.t, version=version, pids=("202",)), clock.t, 4 * GIB))
+    kept = json.loads(path.read_text())
+    assert kept["at_risk"] is None and kept["pending_restart"] is None
+    forgot = fresh(clock, tmp_path / "none.json", version)  # what forgetting the evidence would do
+    assert forgot.evaluate(ask(forgot, 3000)).action is Action.ADMIT
+    if version == "0.5.23":
+        crash = b.watch.last_crash
+        assert b.watch.crashes == 1 and crash is not None and crash.admitted.request_ids == ("big",)
+        assert b.rules.cost.margin == pytest.approx(4096 / 3000 * 1.05) and kept["crashes"] == 1
+        assert b.evaluate(ask(b, 3000)).reason is Reason.UNFIT_REQUEST
+    else:
+        assert (b.watch.crashes, b.watch.upgrades) == (0, 1) and kept["crashes"] == 0
+        assert b.watch.conservative == "engine build 0.5.23 -> 0.5.24" and kept["conservative"] is not None
+        assert b.rules.cost.margin == pytest.approx(1.0 + NEW_BUILD_SAFETY)
+        assert b.evaluate(ask(b, 3500)).reason is Reason.UNFIT_REQUEST
+        assert forgot.evaluate(ask(forgot, 3500)).action is Action.ADMIT
+
+
+def test_a_sidecar_restarted_while_the_same_engine_process_was_unreachable_reads_no_crash(
+    clock: ManualClock, tmp_path: Path
+) -> None:
+    """The engine was seen failing with work admitted (a network blip) and the sidecar restarted: the
+    same scheduler pids answer, the same process; no crash, and the file forgets the set."""
+    path = tmp_path / "lane.json"
+    a = fresh(clock, path, "0.5.23", pids=("101",))
+    submit(a, ask(a, 3000, request_id="big"))
+    clock.advance(1.0)
+    a.update_snapshot(failing(a.snapshot))  # a failed scrape with "big" admitted
+    assert json.loads(path.read_text())["at_risk"]["request_ids"] == ["big"]
+    clock.advance(5.0)
+    b = fresh(clock, path, "0.5.23", pids=("101",))
+    assert b.watch.crashes == 0 and b.rules.cost.margin == 1.0
+    assert json.loads(path.read_text())["at_risk"] is None
+
+
 GOOD = {
     "version": 1,
     "cost_fingerprint": "0123456789abcdef",
@@ -217,6 +286,18 @@ GOOD = {
     "conservative_since": EPOCH,
     "margin_in_force": 1.5,
 }
+# The crash evidence not read yet (``LaneWatch.kept``): a set seen failing, a restart not read.
+GOOD_SET = {
+    "at": EPOCH,
+    "request_ids": ["a", "b"],
+    "requests": 2,
+    "projected_bytes": 3000 * MIB,
+    "priced_margin": 1.2,
+    "budget_bytes": 4 * GIB,
+    "reserve_bytes": 0,
+    "engine_pids": ["101"],
+}
+PENDING = {"at": EPOCH + 1.0, "why": "scheduler pid ['101'] -> ['202']", "admitted": GOOD_SET}
 
 
 @pytest.mark.parametrize(
@@ -235,6 +316,30 @@ GOOD = {
         (json.dumps(GOOD | {"margin_in_force": 1.1}), ": margin_in_force: 1.1 is below margin 1.2"),
         (json.dumps(GOOD | {"crash_margin": 1.25}), ": crash_margin: 1.25 is above margin 1.2"),
         (json.dumps(GOOD | {"idle_free_bytes": 1}), ": idle_free_bytes: Extra inputs are not permitted"),
+        (
+            json.dumps(GOOD | {"at_risk": GOOD_SET | {"projected_bytes": -1}}),
+            ": at_risk.projected_bytes: Input should be greater than or equal to 0",
+        ),
+        (
+            json.dumps(GOOD | {"at_risk": GOOD_SET | {"request_ids": ["r"] * 17, "requests": 17}}),
+            ": at_risk.request_ids: List should have at most 16 items after validation, not 17",
+        ),
+        (
+            json.dumps(GOOD | {"at_risk": GOOD_SET | {"engine_pids": [101]}}),
+            ": at_risk.engine_pids.0: Input should be a valid string",
+        ),
+        (
+            json.dumps(GOOD | {"at_risk": GOOD_SET | {"at": 0}}),
+            ": at_risk.at: Input should be greater than 0",
+        ),
+        (
+            json.dumps(GOOD | {"pending_restart": PENDING | {"admitted": GOOD_SET | {"requests": 1}}}),
+            ": pending_restart.admitted.requests: 1 is below the 2 request_ids",
+        ),
+        (
+            json.dumps(GOOD | {"pending_restart": {k: v for k, v in PENDING.items() if k != "why"}}),
+            ": pending_restart.why: Field required",
+        ),
         (json.dumps({k: v for k, v in GOOD.items() if k != "crashes"}), ": crashes: Field required"),
         ('{\n  "version": 1,\n  oops\n}', ":3: not JSON: Expecting property name"),
     ],
@@ -249,8 +354,10 @@ def test_a_corrupt_or_foreign_state_file_is_refused_naming_the_file_and_the_fiel
     assert f"{path}{says}" in str(e.value) and "delete the file to start from the policy alone" in str(
         e.value
     )
-    # The file as this sidecar writes it loads.
+    # The file as this sidecar writes it loads (one written before the crash evidence was kept, too).
     path.write_text(json.dumps(GOOD))
+    assert fresh(clock, path, "0.5.24").watch.conservative == GOOD["conservative"]
+    path.write_text(json.dumps(GOOD | {"at_risk": GOOD_SET, "pending_restart": PENDING}))
     assert fresh(clock, path, "0.5.24").watch.conservative == GOOD["conservative"]
 
 
