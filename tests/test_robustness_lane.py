@@ -196,6 +196,58 @@ async def test_a_crash_with_admitted_work_raises_the_margin_and_a_state_file_kee
         assert fresh.admission.rules.cost.margin == 1.0
 
 
+async def test_a_sidecar_restarted_while_the_engine_restarts_reads_the_crash_when_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """Issue 29 item 2, end to end: the engine dies in an admitted prefill and the sidecar restarts
+    before it is back (a big model loads for minutes). The set admitted when the engine was seen
+    failing is in the state file; the restarted sidecar reads it when the new process answers: the
+    margin rises, and the same request is not let into the restarted engine."""
+    profile = get_profile("maxq-old").replace(restart_s=1e6)  # down until the test brings it back
+    model = build_model(profile, seed=1)
+    gpu_file, state_file = tmp_path / "gpu.json", tmp_path / "state.json"
+
+    def sidecar() -> SidecarApp:
+        return SidecarApp(
+            upstream=emu.url,
+            policy=crash_policy(1.0),
+            gpu_source=parse_gpu_source(f"file:{gpu_file}"),
+            trust_emulator_sizes=True,
+            state_file=state_file,
+        )
+
+    body = {"text": "x", "stream": True, "rid": "too-big", "emulator": {"prompt_tokens": 400_000}}
+    async with EmulatorServer(build_emulator_app(model, SPEED, gpu_file)) as emu:
+        first = sidecar()
+        async with serve_both(first) as url, aiohttp.ClientSession() as session:
+            a = first.admission
+            await eventually(lambda: a.snapshot.engine is not None and a.snapshot.gpu is not None)
+            async with session.post(url + "/generate", json=body) as resp:
+                assert resp.status == 502  # the engine died in its prefill
+        assert not model.up and first.admission.watch.crashes == 0
+        saved = json.loads(state_file.read_text())
+        assert saved["at_risk"]["request_ids"] == ["too-big"] and saved["crashes"] == 0
+
+        again = sidecar()  # restarted while the engine is down
+        async with serve_both(again) as url, aiohttp.ClientSession() as session:
+            b = again.admission
+            await eventually(lambda: b.snapshot.engine_health.consecutive_failures > 0)
+            assert b.watch.crashes == 0
+            model._down_until = model.now  # the engine's restart ends now (the emulator's next tick)
+            await eventually(lambda: b.watch.crashes == 1, timeout=30)
+            crash = b.watch.last_crash
+            assert crash is not None and crash.admitted.request_ids == ("too-big",)
+            assert crash.why.startswith("failing when the sidecar restarted; scheduler pid")
+            assert crash.admitted.budget_bytes is not None and b.rules.cost.margin > 1.0
+            terms = crash.admitted.projected_bytes / crash.admitted.margin
+            assert terms * b.rules.cost.margin > crash.admitted.budget_bytes
+            await eventually(lambda: b.snapshot.engine_health.consecutive_failures == 0, timeout=30)
+            async with session.post(url + "/generate", json=body | {"rid": "again"}) as resp:
+                assert resp.status == 413 and resp.headers["x-admission-reason"] == "unfit_request"
+        saved = json.loads(state_file.read_text())
+        assert saved["crashes"] == 1 and saved["at_risk"] is None and saved["pending_restart"] is None
+
+
 async def test_a_planned_upgrade_is_ridden_through_and_the_new_build_is_priced_conservatively(
     tmp_path: Path,
 ) -> None:
