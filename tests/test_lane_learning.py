@@ -242,7 +242,7 @@ def test_a_sidecar_restarted_while_the_engine_restarts_still_reads_the_crash(
     b.engine_restarted("it answered again after a failed scrape")
     b.update_snapshot(gpu(snapshot(clock.t, version=version, pids=("202",)), clock.t, 4 * GIB))
     kept = json.loads(path.read_text())
-    assert kept["at_risk"] is None and kept["pending_restart"] is None
+    assert {"at_risk", "pending_restart"}.isdisjoint(kept)
     forgot = fresh(clock, tmp_path / "none.json", version)  # what forgetting the evidence would do
     assert forgot.evaluate(ask(forgot, 3000)).action is Action.ADMIT
     if version == "0.5.23":
@@ -272,7 +272,7 @@ def test_a_sidecar_restarted_while_the_same_engine_process_was_unreachable_reads
     clock.advance(5.0)
     b = fresh(clock, path, "0.5.23", pids=("101",))
     assert b.watch.crashes == 0 and b.rules.cost.margin == 1.0
-    assert json.loads(path.read_text())["at_risk"] is None
+    assert "at_risk" not in json.loads(path.read_text())
 
 
 GOOD = {

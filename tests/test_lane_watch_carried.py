@@ -75,7 +75,7 @@ def test_a_set_at_risk_and_a_pending_restart_are_kept_as_crash_margin_reads_them
         "reserve_bytes": 16 * MIB,
         "engine_pids": ["101", "102"],
     }
-    assert w.kept()["at_risk"] == expected and w.kept()["pending_restart"] is None
+    assert w.kept()["at_risk"] == expected and "pending_restart" not in w.kept()
     after, _, _ = restarted(w)
     assert after.kept()["at_risk"] == expected
     assert after.state(50.0)["crashes"]["at_risk"] == s.fields() | {"requests": MAX_IDS + 4}
@@ -83,12 +83,20 @@ def test_a_set_at_risk_and_a_pending_restart_are_kept_as_crash_margin_reads_them
     # The engine's restart noticed: the set becomes the restart's evidence, pending its first report.
     w.engine_restarted(10.0, "scheduler pid ['101', '102'] -> ['103']")
     pending = {"at": 10.0, "why": "scheduler pid ['101', '102'] -> ['103']", "admitted": expected}
-    assert w.kept()["at_risk"] is None and w.kept()["pending_restart"] == pending
+    assert "at_risk" not in w.kept() and w.kept()["pending_restart"] == pending
     after, rules, _ = restarted(w)
     assert after.kept()["pending_restart"] == pending
     after.observe(report(60.0, pids=("103",)), IDLE, rules, 60.0)
     assert after.last_crash is not None and after.last_crash.admitted.count == MAX_IDS + 4
     assert after.state(60.0)["crashes"]["last"]["requests"] == MAX_IDS + 4
+
+
+def test_with_nothing_pending_the_file_has_the_layout_an_older_sidecar_reads() -> None:
+    """The evidence is written only while there is some: a sidecar rolled back to a release before it
+    refuses its state file only if it is restarted in that moment (``extra="forbid"``)."""
+    w, _, _ = lane()
+    older = {"version", "cost_fingerprint", "margin", "crash_margin", "crashes", "engine_build"}
+    assert set(w.kept()) == older | {"conservative", "conservative_since", "margin_in_force"}
 
 
 def test_the_restore_says_what_evidence_is_pending() -> None:
@@ -114,7 +122,7 @@ def test_evidence_kept_under_other_costs_is_not_restored() -> None:
     kept = w.kept() | {"cost_fingerprint": "0000000000000000"}
     after, _, rules = lane()
     said = after.restore(kept, now=50.0)
-    assert "margins ignored" in said and "pending" not in said and after.kept()["at_risk"] is None
+    assert "margins ignored" in said and "pending" not in said and "at_risk" not in after.kept()
     after.observe(report(60.0, pids=("202",)), IDLE, rules, 60.0)
     assert after.crashes == 0 and after.margin == 1.0123456
 
@@ -142,7 +150,7 @@ def test_a_set_seen_failing_is_a_crash_when_another_process_first_reports(
     # this sidecar cannot tell the process by when it reported).
     assert after.observe(report(55.0, pids=pids, failures=3), IDLE, rules, 55.0) is False
     after.engine_ok(60.0, since=59.5)
-    assert after.crashes == 0 and after.kept()["at_risk"] is not None
+    assert after.crashes == 0 and "at_risk" in after.kept()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert after.observe(report(60.0, pids=pids), IDLE, rules, 60.0) is True
     assert after.crashes == 1 and after.margin == pytest.approx(CRASH_TARGET, rel=1e-12)
@@ -156,7 +164,7 @@ def test_a_set_seen_failing_is_a_crash_when_another_process_first_reports(
         "margin_before": 1.0123,
         "margin_after": round(CRASH_TARGET, 4),
     }
-    assert writes == [1] and after.kept()["at_risk"] is None and after.kept()["pending_restart"] is None
+    assert writes == [1] and {"at_risk", "pending_restart"}.isdisjoint(after.kept())
     # Read once: the next report is the same process's.
     assert after.observe(report(61.0, pids=pids), IDLE, rules, 61.0) is False and after.crashes == 1
 
@@ -180,7 +188,7 @@ def test_a_set_seen_failing_is_a_new_build_s_upgrade_when_another_build_first_re
     assert (after.crashes, after.upgrades, after.margin) == (0, 1, 1.0123456)
     assert after.conservative == "engine build 0.5.23 -> 0.5.24"
     assert after.margin_in_force == pytest.approx(1.0123456 * (1.0 + NEW_BUILD_SAFETY), rel=1e-12)
-    assert after.kept()["at_risk"] is None and after.kept()["engine_build"] == "0.5.24"
+    assert "at_risk" not in after.kept() and after.kept()["engine_build"] == "0.5.24"
 
 
 def test_the_same_process_answering_after_a_sidecar_restart_is_no_crash(
@@ -201,7 +209,7 @@ def test_the_same_process_answering_after_a_sidecar_restart_is_no_crash(
         )
     ]
     assert (after.crashes, after.margin, writes) == (0, 1.0123456, [0])
-    assert after.kept()["at_risk"] is None and after.kept()["pending_restart"] is None
+    assert {"at_risk", "pending_restart"}.isdisjoint(after.kept())
 
 
 @pytest.mark.parametrize(("pids", "crashes"), [(("101",), 0), (("202",), 1)])
@@ -216,7 +224,7 @@ def test_a_restart_the_new_sidecar_notices_before_any_report_is_the_one_the_set_
     assert after.crashes == 0
     after.observe(report(60.0, pids=pids), IDLE, rules, 60.0)
     assert after.crashes == crashes
-    assert after.kept()["at_risk"] is None and after.kept()["pending_restart"] is None
+    assert {"at_risk", "pending_restart"}.isdisjoint(after.kept())
 
 
 # -- a restart the previous sidecar noticed, read at the new one's first report ---------------------------
@@ -243,7 +251,7 @@ def test_a_pending_restart_is_read_at_the_first_report_by_its_build(
     if crashes:
         assert after.last_crash is not None and after.last_crash.why == "scheduler pid ['101'] -> ['202']"
         assert after.last_crash.at == 10.0 and after.margin == pytest.approx(CRASH_TARGET, rel=1e-12)
-    assert after.kept()["pending_restart"] is None
+    assert "pending_restart" not in after.kept()
 
 
 def test_the_live_sidecar_writes_its_file_when_the_evidence_changes() -> None:
@@ -252,7 +260,7 @@ def test_the_live_sidecar_writes_its_file_when_the_evidence_changes() -> None:
     w, _, rules = lane()
     w.observe(report(5.0, pids=("101",)), IDLE, rules, 5.0)
     writes: list[object] = []
-    w.on_learned = lambda: writes.append(w.kept()["at_risk"])
+    w.on_learned = lambda: writes.append(w.kept().get("at_risk"))
     w.at_risk(set_ab())
     w.at_risk(replace(set_ab(), at=6.0))  # the first sign wins: nothing to write
     assert writes == [set_ab().kept()]

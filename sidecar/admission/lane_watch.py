@@ -1070,12 +1070,11 @@ class LaneWatch:
         build and, while it is unconfirmed, why and since when (this watch's clock: ``ops/learned_file``
         writes it as wall-clock time), with the margin in force (for the reader: ``restore`` derives it
         again from the learned margin, under the policy in force then); and the crash evidence not yet
-        read: the set admitted when the engine was seen failing (``at_risk``) and a restart noticed
-        whose new process has not reported (``pending_restart``), so that a sidecar restarted while a
+        read, while there is some: the set admitted when the engine was seen failing (``at_risk``) and a
+        restart noticed whose new process has not reported (``pending_restart``), so that a sidecar restarted while a
         big model loads still reads the crash when the engine is back."""
         unconfirmed = self.conservative is not None
-        pending = self._restart
-        return {
+        kept: dict[str, Any] = {
             "version": STATE_VERSION,
             "cost_fingerprint": self._fingerprint,
             "margin": self.margin,
@@ -1085,11 +1084,13 @@ class LaneWatch:
             "conservative": self.conservative,
             "conservative_since": self.conservative_since if unconfirmed else None,
             "margin_in_force": self.margin_in_force,
-            "at_risk": None if self._risk is None else self._risk.kept(),
-            "pending_restart": None
-            if pending is None
-            else {"at": pending[0], "why": pending[1], "admitted": pending[2].kept()},
         }
+        # Only while there is evidence: a file with nothing pending loads in a sidecar that predates it.
+        if self._risk is not None:
+            kept["at_risk"] = self._risk.kept()
+        if (pending := self._restart) is not None:
+            kept["pending_restart"] = {"at": pending[0], "why": pending[1], "admitted": pending[2].kept()}
+        return kept
 
     def restore(self, saved: dict[str, Any], now: float) -> str:
         """What a previous run kept (``kept``, validated by ``ops/learned_file``); says what was taken.
