@@ -1070,9 +1070,9 @@ class LaneWatch:
         build and, while it is unconfirmed, why and since when (this watch's clock: ``ops/learned_file``
         writes it as wall-clock time), with the margin in force (for the reader: ``restore`` derives it
         again from the learned margin, under the policy in force then); and the crash evidence not yet
-        read, while there is some: the set admitted when the engine was seen failing (``at_risk``) and a
-        restart noticed whose new process has not reported (``pending_restart``), so that a sidecar restarted while a
-        big model loads still reads the crash when the engine is back."""
+        read, while there is some: the set admitted when the engine was seen failing (``at_risk``) and
+        a restart noticed whose new process has not reported (``pending_restart``), so that a sidecar
+        restarted while a big model loads still reads the crash when the engine is back."""
         unconfirmed = self.conservative is not None
         kept: dict[str, Any] = {
             "version": STATE_VERSION,

@@ -56,8 +56,8 @@ class EngineSignals:
     # devices the GPU source reads).
     gpus: int | None = None
     version: str | None = None
-    # The scheduler pids its /metrics named (``pid`` labels, sorted): which process answered. None on a
-    # fresh server before it publishes its load gauges; a process that published them keeps them.
+    # The scheduler pids its /metrics named (``pid`` labels, sorted): which process answered. Empty on
+    # a fresh server before it publishes its load gauges; a process that published them keeps them.
     pids: tuple[str, ...] = ()
     # Which endpoints contributed, e.g. ("metrics", "loads", "server_info").
     sources: tuple[str, ...] = ()

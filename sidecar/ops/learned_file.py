@@ -5,13 +5,14 @@ It holds the lane watch's ``kept()`` value as JSON: the margins learned against 
 (the monitor's and a crash's), the engine build, and, while that build is unconfirmed, why, since when
 (wall-clock Unix seconds here; the watch keeps its own monotonic clock, converted at this edge) and the
 margin in force; and the crash evidence not read yet (the set admitted when the engine was seen
-failing, a restart whose new process has not reported), with its instants converted the same way. Written whenever one of them changes, atomically (a temporary file in the same
-directory, flushed and synced, then renamed over the old one), so a crash mid-write leaves the previous
-file whole. Read once at start: a missing file is a first start. A file that cannot be read, is not
-JSON, or is not a state this sidecar wrote (a field missing, of the wrong type, or unknown; another
-layout version) stops the start with the file and the field named (``StateFileError``): starting from
-the policy alone would forget a crash's margin or an unconfirmed build and price the lane on what the
-file was kept to correct. Deleting the file is the operator's explicit way to start afresh.
+failing, a restart whose new process has not reported), its instants converted the same way. Written
+whenever one of them changes, atomically (a temporary file in the same directory, flushed and synced,
+then renamed over the old one), so a crash mid-write leaves the previous file whole. Read once at
+start: a missing file is a first start. A file that cannot be read, is not JSON, or is not a state this
+sidecar wrote (a field missing, of the wrong type, or unknown; another layout version) stops the start
+with the file and the field named (``StateFileError``): starting from the policy alone would forget a
+crash's margin, an unconfirmed build or a crash not read yet, and price the lane on what the file was
+kept to correct. Deleting the file is the operator's explicit way to start afresh.
 """
 
 from __future__ import annotations
