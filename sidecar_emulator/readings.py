@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from sidecar.core.snapshot import DeviceMemory, EngineSignals, GpuSignals
 from sidecar_emulator.engine import BASE_VERSION, EngineModel
+from sidecar_emulator.exposition import BASE_PID
 
 SGLANG_VERSION = BASE_VERSION
 
@@ -29,6 +30,8 @@ def engine_signals(model: EngineModel, now: float) -> EngineSignals:
             kv_used_tokens=g.kv_used_tokens,
             kv_available_tokens=g.kv_available_tokens,
             kv_evictable_tokens=g.kv_evictable_tokens,
+            # The scheduler's pid label, published with the load gauges (``exposition``).
+            pids=(str(BASE_PID + model.restarts),),
         )
         if hybrid:
             fields.update(
