@@ -83,6 +83,7 @@ def summarise(rows: list[dict[str, Any]], only: list[str] | None = None) -> list
     unperturbed engine (same scenario and seed; the longer of the two spans, as in the study)."""
     by = {(r["scenario"], r["seed"], r["perturbation"], r["gate"]): r for r in rows}
     default = [sc for sc in dict.fromkeys(r["scenario"] for r in rows) if not _special(sc)]
+    bound = zero_crash_bound(rows)
     out = []
     for row in _rows(only):
         label, pert, klass, _ = row
@@ -115,8 +116,25 @@ def summarise(rows: list[dict[str, Any]], only: list[str] | None = None) -> list
                 "worst_vs_unperturbed": min(vs_base, default=0.0),
                 # The worst run of each scenario against the oracle (which scenario a row's worst is).
                 "worst_vs_oracle_by_scenario": per,
+                "zero_crash_bound": {sc: v for sc, v in bound.items() if sc in per},
             }
         )
+    return out
+
+
+def zero_crash_bound(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """For each scenario inside the stated safety (``INSIDE_SAFETY``), the most of the unperturbed
+    oracle that any gate keeping the x1.05 rows' zero-crash lines can serve, at worst over the seeds:
+    the oracle's served tokens at x1.05 over its unperturbed ones (evidence RA6). Until a change shows
+    in a reading, a gate sees the same lane in both rows, and a caching allocator can hide a x1.05 change
+    until the prompt that crashes (RE1, RA4): what such a gate serves unperturbed, it would also admit
+    after the change, so it must refuse whatever the x1.05 engine cannot hold."""
+    by = {(r["scenario"], r["seed"], r["perturbation"]): r for r in rows if r["gate"] == "oracle"}
+    out: dict[str, float] = {}
+    for (sc, seed, pert), r in by.items():
+        base = by.get((sc, seed, "none"))
+        if sc in INSIDE_SAFETY and pert == "sys1.05" and base is not None and base["served_tokens"]:
+            out[sc] = min(out.get(sc, math.inf), r["served_tokens"] / base["served_tokens"])
     return out
 
 
@@ -158,8 +176,15 @@ def _oracle_line(name: str, s: dict[str, Any]) -> str:
     inside = {sc: v for sc, v in per.items() if sc in INSIDE_SAFETY}
     rest = [v for sc, v in per.items() if sc not in INSIDE_SAFETY]
     if inside and min(inside.values()) < 0.90:
+        bound = s.get("zero_crash_bound") or {}
         why = ", ".join(
-            f"{sc} {v:.0%}, inside the stated safety: {INSIDE_SAFETY[sc]}" for sc, v in inside.items()
+            f"{sc} {v:.0%}, inside the stated safety: {INSIDE_SAFETY[sc]}"
+            + (
+                f"; a gate that keeps the x1.05 rows' zero crashes serves at most {bound[sc]:.0%} of it: RA6"
+                if sc in bound
+                else ""
+            )
+            for sc, v in inside.items()
         )
         line += f"; {why}; the other scenarios' worst {min(rest, default=math.nan):.1%}"
     return line + ")"

@@ -281,3 +281,44 @@ def test_a_robustness_row_end_to_end_on_the_band_with_the_lane_policy() -> None:
     assert within["served_tokens"] == base["served_tokens"] > 0
     beyond = bench.run_task(bench.Task(**{**task.__dict__, "perturbation": "late1.10"}))
     assert beyond["crashes"] == 0 and beyond["guard_aborts"] >= 1
+
+
+def test_the_band_s_oracle_line_names_the_most_a_zero_crash_gate_can_serve() -> None:
+    """The bound on the band inside the stated safety: the x1.05 oracle's served tokens over the
+    unperturbed oracle's, the worst seed; printed on the band's oracle line, and only for scenarios
+    inside the safety (another scenario's line is unchanged)."""
+    robustness = _load("robustness")
+
+    def row(sc: str, seed: int, pert: str, gate: str, tokens: int) -> dict:
+        return {
+            "scenario": sc,
+            "seed": seed,
+            "perturbation": pert,
+            "gate": gate,
+            "served_tokens": tokens,
+            "span_s": 100.0,
+            "crashes": 0,
+        }
+
+    band, other = "band-below-limit", "agents-with-subagents"
+    rows = [
+        row(band, 0, "none", "oracle", 1000),
+        row(band, 0, "sys1.05", "oracle", 600),
+        row(band, 1, "none", "oracle", 1000),
+        row(band, 1, "sys1.05", "oracle", 500),
+        row(other, 0, "none", "oracle", 1000),
+        row(other, 0, "sys1.05", "oracle", 900),
+        row(band, 0, "none", "sidecar", 120),
+        row(band, 1, "none", "sidecar", 120),
+        row(other, 0, "none", "sidecar", 1000),
+    ]
+    assert robustness.zero_crash_bound(rows) == {band: 0.5}
+    (s,) = [s for s in robustness.summarise(rows, ["none"]) if s["row"] == "unperturbed"]
+    assert s["zero_crash_bound"] == {band: 0.5}
+    ok, line = robustness.acceptance([s])[0]
+    assert not ok
+    assert (
+        f"{band} 12%, inside the stated safety: RA2; a gate that keeps the x1.05 rows' zero crashes serves at most 50% of it: RA6"
+        in line
+    )
+    assert "the other scenarios' worst 100.0%" in line
