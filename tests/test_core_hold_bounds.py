@@ -56,7 +56,9 @@ def test_without_an_engine_report_the_ledger_s_prefill_tokens_are_the_work_ahead
     """The engine never read (its report is None): the tokens forwarded are the ledger's alone, and
     nothing forwarded is no wait at all (not one token's)."""
     r = rules()
-    blind = Situation(r, replace(snapshot(NOW), engine=None), LedgerTotals(), NOW, prefill_tokens_per_s=1000.0)
+    blind = Situation(
+        r, replace(snapshot(NOW), engine=None), LedgerTotals(), NOW, prefill_tokens_per_s=1000.0
+    )
     assert expected_wait_s(blind) == 0.0
     booked = replace(blind, ledger=LedgerTotals(prefill_tokens=2500))
     assert expected_wait_s(booked) == 2.5
