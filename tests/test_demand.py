@@ -9,11 +9,12 @@ import pytest
 from sidecar.admission.controller import Admission, Outcome
 from sidecar.core import demand
 from sidecar.core.decision import Reason
+from sidecar.core.snapshot import Snapshot
 from sidecar.intake.body import parse_generation
 from sidecar.intake.demand import demand_of
 from sidecar.intake.tokens import TokenCount
 from sidecar.policy.in_force import rules_of
-from tests.conftest import ManualClock, small_policy, snapshot, submit
+from tests.conftest import ManualClock, small_policy, snapshot, submit, with_engine
 
 # A lane with a 51-slot Mamba pool (lane 2), a checkpoint every 4,096 prompt tokens, and a decode
 # reserve of every sequence's whole output budget, so each figure below can be read off the body.
@@ -112,3 +113,66 @@ def test_reprice_keeps_the_request_and_reprices_its_cost() -> None:
         "r",
         7.0,
     )
+
+
+# -- the output budget and the context it is priced against -------------------------------------------
+
+CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})
+
+
+@pytest.mark.parametrize(
+    ("engine_context", "tokens", "exact", "budget"),
+    [
+        # The engine's reported context (5,000) wins over the lane's (100,000): the rest of it.
+        (5000, 1200, True, 3800),
+        # An estimated count over-counts: the rest may be the whole context.
+        (5000, 1200, False, 5000),
+        # A prompt that fills the context (or more) leaves nothing to generate: 0, not a negative.
+        (5000, 5000, True, 0),
+        (5000, 6000, True, 0),
+        # No engine report yet: the lane's context.
+        (None, 1200, True, 100_000 - 1200),
+        (None, 1200, False, 100_000),
+    ],
+)
+def test_a_chat_without_max_tokens_is_priced_at_the_rest_of_the_context(
+    clock: ManualClock, engine_context: int | None, tokens: int, exact: bool, budget: int
+) -> None:
+    """SGLang's chat routes pass no max_new_tokens, and its scheduler generates up to the end of the
+    engine's context: the demand's budget is what is left of it (evidence T3)."""
+    a = Admission(small_policy(**LANE), clock)
+    snap = with_engine(snapshot(clock()), context_len=engine_context) if engine_context else Snapshot()
+    d = demand_of(a.rules, snap, parsed(*CHAT), TokenCount(tokens, exact, "test"), now=clock())
+    assert d.max_new_tokens == budget
+    assert d.kv_tokens == min(tokens, 100_000) + budget  # a decode reserve of the whole budget
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "budget"),
+    [
+        ("/generate", {"text": "a"}, 128),
+        ("/v1/completions", {"prompt": "a"}, 16),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 7}, 7),
+    ],
+)
+def test_a_route_with_a_default_budget_is_priced_at_it_whatever_the_context(
+    clock: ManualClock, path: str, body: dict, budget: int
+) -> None:
+    a = Admission(small_policy(**LANE), clock)
+    snap = with_engine(snapshot(clock()), context_len=5000)
+    d = demand_of(a.rules, snap, parsed(path, body), TokenCount(4990, True, "test"), now=clock())
+    assert d.max_new_tokens == budget
+
+
+def test_input_logprobs_reach_the_demand_and_bound_the_cache_hit(clock: ManualClock) -> None:
+    """``logprob_start_len`` is passed through: SGLang matches the prefix cache only up to it, and
+    computes a row of logits for every prompt position from it."""
+    a = Admission(small_policy(), clock)
+    body = {"text": "a", "emulator": {"prompt_tokens": 8000, "cached_tokens": 6000}}
+    asks = {**body, "return_logprob": True, "logprob_start_len": 2000}
+    count = TokenCount(8000, True, "declared")
+    plain = demand_of(a.rules, Snapshot(), parsed("/generate", body), count, now=clock())
+    d = demand_of(a.rules, Snapshot(), parsed("/generate", asks), count, now=clock())
+    assert (plain.logprob_start, plain.uncached_tokens) == (None, 2000)
+    assert (d.logprob_start, d.uncached_tokens) == (2000, 6000)
+    assert d.projected_bytes > plain.projected_bytes
