@@ -152,6 +152,16 @@ def test_the_batch_the_prefills_join_must_fit_the_room_too() -> None:
     assert [o.key for o in overruns(ps, r, gpu(), running=12)] == [3, 2, 1]
 
 
+def test_prefills_exactly_at_the_room_blame_the_join_that_overruns_it() -> None:
+    """Two prefills of 10,000 KiB fill the 20,000 KiB room exactly: they fit, the batch of 6 they join
+    (22,000 KiB) does not, and the abort says so (the log and the answer carry ``why``)."""
+    r = rules(cost__batch_join_bytes=10_000 * KIB, cost__batch_join_bytes_per_running_request=2_000 * KIB)
+    ps = [Prefill(k, ask(r, 9_000, f"r{k}")) for k in (1, 2)]
+    (o,) = overruns(ps, r, gpu(), running=6)
+    assert o.key == 2 and o.projected_bytes == 10_000 * KIB and o.room_bytes == 20_000 * KIB
+    assert o.why.startswith("joining the running batch of 6 projects 21 MiB"), o.why
+
+
 def test_an_unfit_one_leaves_the_join_too() -> None:
     r = rules(cost__batch_join_bytes=16_000 * KIB, cost__batch_join_bytes_per_running_request=1_000 * KIB)
     big, small = ask(r, 25_000, "big"), ask(r, 1_000, "small")
@@ -522,6 +532,7 @@ def test_an_aborted_request_ends_with_its_admission_s_checks_and_the_guard_s() -
     )
     assert d.charge == admitted.charge
     assert d.checks == (admitted.checks[0], Check("prefill_overrun", False, 7_000, 6_000, "over", ""))
+    assert d.check == "prefill_overrun"  # the check that refused it, as every refusal names
     never = rejection(replace(fits, fits_idle=False), admitted, 12)
     assert never.retry_after_s is None and never.checks[-1].limit == "transient"
     assert fits.fields() == {

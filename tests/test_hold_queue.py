@@ -166,6 +166,65 @@ def test_a_policy_that_does_not_hold_behind_decides_every_held_request(
     assert counted.calls >= 20
 
 
+def test_after_a_pass_over_the_whole_queue_the_next_event_decides_the_head_only(
+    clock: ManualClock, counted: Counted
+) -> None:
+    """A new engine shape decides every held request once (one may have become unfit); the polls after
+    it, with that shape, cost the head again, not the queue."""
+    a, _ = lane(clock, free_mib=1, hold__max_held=1000, hold__max_wait_s=60)
+    submit(a, one_mib(a))
+    held = [submit(a, one_mib(a, rid=str(i))) for i in range(300)]
+    counted.calls = 0
+    a.update_snapshot(with_engine(snapshot(clock(), free_bytes=MIB), context_len=50_000))
+    assert counted.calls >= 300 and all(h.held for h in held)
+    for _ in range(3):
+        counted.calls = 0
+        a.update_snapshot(with_engine(snapshot(clock(), free_bytes=MIB), context_len=50_000))
+        assert counted.calls <= 2
+
+
+def test_the_head_timing_out_lets_the_one_behind_it_in_at_that_instant(clock: ManualClock) -> None:
+    """Held behind a request that does not fit, a small one that does waits in order; when the head's
+    deadline comes it is refused, and the small one goes in then, not at the next poll or its own
+    deadline. (Signals that stay fresh for a minute: no poll in between.)"""
+    fresh = dict(engine__max_age_s=60, gpu__max_age_s=60)
+    a, log = lane(clock, free_mib=3, cost__context_bytes_per_token=1024, hold__max_wait_s=30, **fresh)
+    big = submit(a, demand.build(a.rules, 5000, arrived_at=clock(), request_id="big"))  # 6,000 KiB
+    clock.advance(10)
+    small = submit(a, demand.build(a.rules, 1000, arrived_at=clock(), request_id="small"))  # 2,000 KiB
+    assert big.held and small.held and small.decision is not None
+    assert small.decision.reason is Reason.VRAM_HEADROOM  # the head's reason: strict order
+    clock.advance(20)
+    assert big.outcome is Outcome.REJECTED and big.decision is not None
+    assert big.decision.reason is Reason.HOLD_TIMEOUT
+    assert small.admitted and small.waited_s == 20
+    assert log.decisions[-2:] == [
+        (Action.REJECT, Reason.HOLD_TIMEOUT, "big", 30.0, 0),
+        (Action.ADMIT, None, "small", 20.0, 1),
+    ]
+
+
+def test_a_request_submitted_from_a_callback_during_a_pump_does_not_stop_it(clock: ManualClock) -> None:
+    """A shell that submits from a held request's callback (a retry forwarded at once) pushes onto the
+    queue under the walk: the pump walks again from the head, and what fits still goes in at that event.
+    1,024 KiB of room: one request of 1,000 KiB admitted, three of 500 held behind it."""
+    a, _ = lane(clock, free_mib=1, hold__max_held=10)
+    first = submit(a, one_mib(a, "first"))
+    later: list[Handle] = []
+
+    def retry(h: Handle) -> None:
+        later.append(submit(a, demand.build(a.rules, 500, arrived_at=clock(), request_id="c")))
+
+    x, y = a.open(), a.open()
+    x.submit(demand.build(a.rules, 500, arrived_at=clock(), request_id="x"), retry)
+    y.submit(demand.build(a.rules, 500, arrived_at=clock(), request_id="y"), lambda h: None)
+    assert x.held and y.held
+    first.end(Outcome.COMPLETED)  # room for two of 500: x, then y, the retry held behind them
+    (c,) = later
+    assert x.admitted and y.admitted and c.held
+    assert a.ledger.totals.requests == 2 and a.held == 1
+
+
 def test_drain_refuses_every_held_request(clock: ManualClock) -> None:
     a, _ = lane(clock, free_mib=0, hold__max_held=100)
     held = [submit(a, one_mib(a)) for _ in range(50)]
@@ -245,6 +304,17 @@ def test_quiet_after_a_poll_interval_of_nothing_and_ended_by_the_next_request(cl
     held = submit(a, demand.build(a.rules, 5000, arrived_at=clock()))
     clock.advance(5)
     assert held.held and not a.quiet(), "quiet with a request held"
+
+
+def test_a_sidecar_that_never_went_quiet_wakes_nobody(clock: ManualClock) -> None:
+    """The first requests after start end no quiet spell (the pollers never slowed down): nothing to
+    wake, no read sooner than the interval."""
+    a, _ = lane(clock, free_mib=1)
+    woken: list[int] = []
+    a.on_busy = lambda: woken.append(1)
+    h = a.open()
+    h.submit(one_mib(a))
+    assert h.admitted and woken == []
 
 
 def test_an_admission_ends_quiet_too(clock: ManualClock) -> None:
