@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from sidecar.core import demand
 from sidecar.core import facts as lane_facts
 from sidecar.core.decide import Situation, decide, expected_wait_s, headroom_bytes
@@ -145,3 +147,115 @@ def test_the_engine_s_pool_context_and_chunk_are_in_force_and_a_gpu_count_mismat
     assert not {f.name: f for f in lane_facts.compare(r, off, None, None, idle_free_policy=None)}[
         "chunked_prefill_size"
     ].disagrees
+
+
+def by_name(found: tuple[lane_facts.Fact, ...]) -> dict[str, lane_facts.Fact]:
+    return {f.name: f for f in found}
+
+
+QUIET = {"disagrees": False, "unsafe": False}
+
+
+def test_a_fact_only_one_side_states_is_that_side_s_figure_and_never_loud() -> None:
+    """Nothing to compare: the measurement where the policy gives no figure (``idle_free_bytes:
+    auto``), the policy's before the engine reports. Neither disagrees nor is unsafe, and
+    /admission/state shows both as ``false`` (not ``null``)."""
+    r = rules(vram__headroom="idle_budget", vram__idle_free_bytes="auto")
+    found = by_name(lane_facts.compare(r, None, 5 * GIB, 1, idle_free_policy=None))
+    assert found["idle_free_bytes"].fields() == {
+        "policy": None,
+        "measured": 5 * GIB,
+        "in_force": 5 * GIB,
+        **QUIET,
+    }
+    assert found["kv_pool_tokens"].fields() == {
+        "policy": 100_000,
+        "measured": None,
+        "in_force": 100_000,
+        **QUIET,
+    }
+    # The GPU source's count is compared with the engine's GPUs only: before the engine reports them
+    # there is nothing to show, and a GPU count is never put in force.
+    assert found["gpus"].fields() == {"policy": None, "measured": None, "in_force": None, **QUIET}
+    assert lane_facts.overrides(tuple(found.values())) == ()
+
+
+def idle_fact(policy: int, measured: int) -> tuple[bool, bool, int | None]:
+    r = rules(vram__headroom="idle_budget", vram__idle_free_bytes=policy)
+    f = by_name(lane_facts.compare(r, None, measured, None, idle_free_policy=policy))["idle_free_bytes"]
+    return f.disagrees, f.unsafe, f.in_force
+
+
+def test_idle_free_memory_disagrees_beyond_64_mib_or_2_percent_of_the_policy_s_whichever_is_more() -> None:
+    """What is loud (the warning, the metric, the alert): more than 64 MiB apart on a small figure,
+    more than 2 % of the policy's on a large one. The smaller figure is in force either way."""
+    # 1,993 MiB (2 % is 40 MiB): 64 MiB apart is within, 65 MiB is not.
+    assert idle_fact(1993 * MIB, 1929 * MIB) == (False, False, 1929 * MIB)
+    assert idle_fact(1993 * MIB, 1928 * MIB) == (True, True, 1928 * MIB)
+    # 70 GiB (an 80 GB card after the weights; 2 % is 1.4 GiB): 1 GiB apart is within, 2 GiB is not.
+    assert idle_fact(70 * GIB, 69 * GIB) == (False, False, 69 * GIB)
+    assert idle_fact(70 * GIB, 68 * GIB) == (True, True, 68 * GIB)
+    # A policy claiming less than measured is shown as disagreeing, never as unsafe, and stays.
+    assert idle_fact(70 * GIB, 72 * GIB) == (True, False, 70 * GIB)
+
+
+def test_the_engine_s_mamba_pool_is_in_force_over_the_policy_s() -> None:
+    r = rules(lane__mamba_slots=50)
+    e = snapshot(NOW, mamba_used_slots=8, mamba_available_slots=30, mamba_evictable_slots=2).engine
+    found = lane_facts.compare(r, e, None, None, idle_free_policy=None)
+    assert by_name(found)["mamba_slots"].fields() == {
+        "policy": 50,
+        "measured": 40,
+        "in_force": 40,
+        "disagrees": True,
+        "unsafe": True,
+    }
+    assert lane_facts.in_force(r, lane_facts.overrides(found)).lane.mamba_slots == 40
+
+
+@pytest.mark.parametrize(("reported", "compared"), [(-1, None), (0, None), (1, 1), (8192, 8192)])
+def test_the_engine_s_chunk_size_is_compared_where_sglang_chunks(reported: int, compared: int | None) -> None:
+    """SGLang's scheduler turns chunked prefill off for a ``chunked_prefill_size`` of 0 or less
+    (``Scheduler.init_chunked_prefill``: ``<= 0`` is None); any positive size is the chunk it runs."""
+    r = rules()  # chunk 1000
+    e = snapshot(NOW, chunked_prefill_size=reported).engine
+    fact = by_name(lane_facts.compare(r, e, None, None, idle_free_policy=None))["chunked_prefill_size"]
+    assert (fact.measured, fact.in_force) == (compared, 1000 if compared is None else compared)
+    forced = lane_facts.in_force(r, lane_facts.overrides((fact,)))
+    assert forced.lane.chunked_prefill_size == fact.in_force
+
+
+@pytest.mark.parametrize(
+    ("name", "figure"),
+    [
+        ("kv_pool_tokens", 33_000),
+        ("mamba_slots", 40),
+        ("context_len", 32_768),
+        ("chunked_prefill_size", 8192),
+    ],
+)
+def test_a_fact_in_force_changes_its_own_figure_and_no_other(name: str, figure: int) -> None:
+    r = rules(lane__mamba_slots=50)
+    forced = lane_facts.in_force(r, ((name, figure),))
+    assert forced.lane == replace(r.lane, **{name: figure})
+    assert forced.vram == r.vram
+
+
+def test_the_idle_figure_in_force_leaves_the_lane_s_figures_and_cuts_a_transient_cap_it_no_longer_frees() -> (
+    None
+):
+    """The policy: 10 GiB idle, a 1 GiB reserve; measured: 8 GiB. A cap the policy set above what
+    the measured lane frees (8 - 1 = 7 GiB) is cut to it; one below stays; none stays none (the cap
+    is then the idle figure less the reserve)."""
+    for cap, in_force in ((8 * GIB, 7 * GIB), (5 * GIB, 5 * GIB), (None, 7 * GIB)):
+        r = rules(
+            lane__mamba_slots=50,
+            vram__headroom="idle_budget",
+            vram__idle_free_bytes=10 * GIB,
+            vram__reserve_bytes=GIB,
+            vram__max_transient_bytes=cap,
+        )
+        found = lane_facts.compare(r, None, 8 * GIB, None, idle_free_policy=10 * GIB)
+        forced = lane_facts.in_force(r, lane_facts.overrides(found))
+        assert (forced.vram.idle_free_bytes, forced.vram.transient_cap()) == (8 * GIB, in_force), cap
+        assert forced.lane == r.lane

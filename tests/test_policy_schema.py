@@ -4,6 +4,7 @@ schema's mutants."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from pathlib import Path
 
@@ -148,6 +149,13 @@ def test_an_answer_per_reason_else_the_transient_one() -> None:
         (2.5, "a size in bytes must be a whole number, got 2.5"),
         (float("inf"), "a size in bytes must be a whole number, got inf"),
         ([1], "a size must be bytes or a string such as 560MiB, got a list"),
+        (None, "a size must be bytes or a string such as 560MiB, got nothing (an empty value)"),
+        ({"MiB": 560}, "a size must be bytes or a string such as 560MiB, got a mapping"),
+        # YAML reads `reserve_bytes: 2026-12-06` as a date.
+        (
+            datetime.date(2026, 12, 6),
+            "a size must be bytes or a string such as 560MiB, got a value of another kind",
+        ),
         ("-1MiB", "a size cannot be negative, got '-1MiB'"),
         ("lots", "not a size: 'lots' (write plain bytes, or a number with KiB, MiB or GiB)"),
         ("5Kx", "'5Kx': unknown unit 'Kx'; write plain bytes, or KiB, MiB or GiB"),
