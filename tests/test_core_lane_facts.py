@@ -216,7 +216,9 @@ def test_the_engine_s_mamba_pool_is_in_force_over_the_policy_s() -> None:
 @pytest.mark.parametrize(("reported", "compared"), [(-1, None), (0, None), (1, 1), (8192, 8192)])
 def test_the_engine_s_chunk_size_is_compared_where_sglang_chunks(reported: int, compared: int | None) -> None:
     """SGLang's scheduler turns chunked prefill off for a ``chunked_prefill_size`` of 0 or less
-    (``Scheduler.init_chunked_prefill``: ``<= 0`` is None); any positive size is the chunk it runs."""
+    (sgl-project/sglang ``python/sglang/srt/managers/scheduler.py``, ``Scheduler.init_chunked_prefill``:
+    ``if self.chunked_prefill_size <= 0: self.chunked_prefill_size = None``); any positive size is the
+    chunk it runs, 1 included."""
     r = rules()  # chunk 1000
     e = snapshot(NOW, chunked_prefill_size=reported).engine
     fact = by_name(lane_facts.compare(r, e, None, None, idle_free_policy=None))["chunked_prefill_size"]
@@ -259,3 +261,13 @@ def test_the_idle_figure_in_force_leaves_the_lane_s_figures_and_cuts_a_transient
         forced = lane_facts.in_force(r, lane_facts.overrides(found))
         assert (forced.vram.idle_free_bytes, forced.vram.transient_cap()) == (8 * GIB, in_force), cap
         assert forced.lane == r.lane
+
+
+def test_a_gpu_count_is_never_in_force_even_before_the_gpu_source_is_read() -> None:
+    """The engine runs on 2 GPUs and the GPU source has not been read (or there is none): the fact
+    shows the engine's count and nothing in force, as it does once the source's count is compared
+    (``/admission/state`` and ``sidecar_lane_fact{source="in_force"}`` never show a GPU count)."""
+    e = snapshot(NOW, gpus=2).engine
+    for devices in (None, 2, 1):
+        gpus = by_name(lane_facts.compare(rules(), e, None, devices, idle_free_policy=None))["gpus"]
+        assert (gpus.policy, gpus.measured, gpus.in_force, gpus.disagrees) == (2, devices, None, devices == 1)

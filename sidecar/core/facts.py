@@ -66,7 +66,9 @@ class Fact:
 
 def _fact(name: str, policy: int | None, measured: int | None, safer: Safer) -> Fact:
     if policy is None or measured is None:
-        return Fact(name, policy, measured, measured if policy is None else policy, False, False)
+        # One side only: nothing to compare; its figure is in force, save a GPU count (never in force).
+        shown = None if safer == "none" else measured if policy is None else policy
+        return Fact(name, policy, measured, shown, False, False)
     if name == "idle_free_bytes":
         slack = max(IDLE_FREE_TOLERANCE * policy, IDLE_FREE_TOLERANCE_BYTES)
         disagrees = abs(policy - measured) > slack
