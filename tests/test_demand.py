@@ -176,3 +176,25 @@ def test_input_logprobs_reach_the_demand_and_bound_the_cache_hit(clock: ManualCl
     assert (plain.logprob_start, plain.uncached_tokens) == (None, 2000)
     assert (d.logprob_start, d.uncached_tokens) == (2000, 6000)
     assert d.projected_bytes > plain.projected_bytes
+
+
+def test_an_engine_without_chunked_prefill_prefills_the_whole_prompt_in_one_step() -> None:
+    """SGLang's ``chunked_prefill_size`` -1 turns chunking off (evidence MTC1): the uncached prompt is
+    one extend step, so its activations are the whole uncached prompt's. Read as a chunk of -1 tokens
+    the activation term went negative: a 50,000-token prompt was priced below a 1,000-token chunk's."""
+    rules = rules_of(small_policy(cost__context_bytes_per_token=100).policy)
+    body = parsed("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 10}})
+    count = TokenCount(50_000, True, "test")
+    off = demand_of(rules, snapshot(0.0, chunked_prefill_size=-1), body, count, now=0.0)
+    # One 50,000-token step at the whole context: 1 KiB a chunk token plus 100 bytes a context token.
+    assert off.projected_bytes == 50_000 * 1024 + 50_000 * 100
+    assert (
+        off.projected_bytes
+        == demand_of(rules, snapshot(0.0, chunked_prefill_size=50_000), body, count, now=0.0).projected_bytes
+    )
+    chunked = demand_of(rules, snapshot(0.0), body, count, now=0.0)  # no engine figure: the lane's 1,000
+    assert chunked.projected_bytes == 1_000 * 1024 + 50_000 * 100 < off.projected_bytes
+    assert off.own_bytes(rules) == off.projected_bytes
+    # A cached prefix is not recomputed: the step is the uncached rest, at the whole context.
+    hit = demand.build(rules, 50_000, arrived_at=0.0, cached_tokens=30_000, chunk=-1)
+    assert hit.projected_bytes == 20_000 * 1024 + 50_000 * 100 == hit.own_bytes(rules)
