@@ -21,6 +21,12 @@ from sidecar.core.rules import CostModel
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def empty_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from an empty memo (other tests' cost models fill the shared one)."""
+    monkeypatch.setattr(cost, "_MEMO", {})
+
+
 def fresh(activation: int = 1_000) -> CostModel:
     """A cost model of its own (the memo is keyed by the model itself)."""
     return CostModel(8 * MiB, activation, 300, 2, 1 << 30, 1.5, chunk_context_bytes=0.25)

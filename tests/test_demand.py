@@ -198,3 +198,38 @@ def test_an_engine_without_chunked_prefill_prefills_the_whole_prompt_in_one_step
     # A cached prefix is not recomputed: the step is the uncached rest, at the whole context.
     hit = demand.build(rules, 50_000, arrived_at=0.0, cached_tokens=30_000, chunk=-1)
     assert hit.projected_bytes == 20_000 * 1024 + 50_000 * 100 == hit.own_bytes(rules)
+
+
+def test_input_logprob_rows_are_the_prompt_tokens_from_their_start() -> None:
+    """A row of logits per prompt token from ``logprob_start`` on, at least the last token's, at most
+    a chunk's (evidence B3); the cache is reused only up to the start (B4)."""
+    rules = rules_of(small_policy(cost__logprob_bytes_per_token=1000).policy)
+    step = 1_000 * 1024  # a full 1,000-token chunk of activations, 1 KiB each
+
+    def priced(start: int, cached: int = 0) -> demand.Demand:
+        return demand.build(rules, 5_000, arrived_at=0.0, cached_tokens=cached, logprob_start=start)
+
+    assert priced(4_500).projected_bytes == step + 500 * 1000
+    assert priced(4_999).projected_bytes == step + 1 * 1000  # the last prompt token alone
+    assert priced(5_000).projected_bytes == step + 1 * 1000  # past the prompt: still its last token
+    assert priced(0).projected_bytes == step + 1_000 * 1000  # every token: a chunk's rows
+    from_start = priced(0, cached=2_000)
+    assert (from_start.logprob_start, from_start.cached_tokens, from_start.uncached_tokens) == (0, 0, 5_000)
+    before = priced(-5, cached=2_000)  # a negative start (the intake passes none) counts from 0
+    assert (before.logprob_start, before.cached_tokens) == (0, 0)
+    partly = priced(1_500, cached=2_000)
+    assert (partly.logprob_start, partly.cached_tokens, partly.uncached_tokens) == (1_500, 1_500, 3_500)
+    assert demand.build(rules, 5_000, arrived_at=0.0).logprob_start is None
+
+
+def test_a_batch_of_prompts_without_samples_is_priced_by_its_prefill_alone() -> None:
+    """Eight prompts, ``n`` 1: no samples' extend batch (evidence B1 is for ``n`` > 1), so eight capped
+    gathers are not charged where one prefill's is."""
+    rules = rules_of(
+        small_policy(cost__gather_bytes_per_context_token=1000, cost__gather_cap_bytes=1 << 20).policy
+    )
+    batch = demand.build(rules, 80_000, arrived_at=0.0, prompts=8)
+    assert batch.sequences == 8
+    assert batch.projected_bytes == 1_000 * 1024 + (1 << 20)  # a full chunk, one capped gather
+    four = demand.build(rules, 80_000, arrived_at=0.0, prompts=8, samples=4)
+    assert four.projected_bytes == 32 * (1024 + (1 << 20))  # 32 copies, each one token, gather capped
