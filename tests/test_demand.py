@@ -195,6 +195,14 @@ def test_an_engine_without_chunked_prefill_prefills_the_whole_prompt_in_one_step
     chunked = demand_of(rules, snapshot(0.0), body, count, now=0.0)  # no engine figure: the lane's 1,000
     assert chunked.projected_bytes == 1_000 * 1024 + 50_000 * 100 < off.projected_bytes
     assert off.own_bytes(rules) == off.projected_bytes
+    assert off.chunk_size == 100_000  # as long as the lane's context: any prompt is one chunk
+    # SGLang reads any size of 0 or less as "off"; no figure from the engine is the lane's chunk.
+    zero = demand.build(rules, 50_000, arrived_at=0.0, chunk=0)
+    assert (zero.projected_bytes, zero.chunk_size) == (off.projected_bytes, 100_000)
+    assert demand.build(rules, 50_000, arrived_at=0.0, chunk=None).chunk_size == 1_000
+    assert demand.build(rules, 50_000, arrived_at=0.0, chunk=1).chunk_size == 1
+    over = demand.build(rules, 150_000, arrived_at=0.0, chunk=-1)  # an exact count past the context
+    assert (over.chunk_size, over.projected_bytes) == (150_000, 150_000 * 1024 + 150_000 * 100)
     # A cached prefix is not recomputed: the step is the uncached rest, at the whole context.
     hit = demand.build(rules, 50_000, arrived_at=0.0, cached_tokens=30_000, chunk=-1)
     assert hit.projected_bytes == 20_000 * 1024 + 50_000 * 100 == hit.own_bytes(rules)
@@ -233,3 +241,13 @@ def test_a_batch_of_prompts_without_samples_is_priced_by_its_prefill_alone() -> 
     assert batch.projected_bytes == 1_000 * 1024 + (1 << 20)  # a full chunk, one capped gather
     four = demand.build(rules, 80_000, arrived_at=0.0, prompts=8, samples=4)
     assert four.projected_bytes == 32 * (1024 + (1 << 20))  # 32 copies, each one token, gather capped
+
+
+def test_reprice_keeps_where_input_logprobs_start() -> None:
+    """A reload while a request with input logprobs is held: its rows and its cache limit stay."""
+    before = rules_of(small_policy(cost__logprob_bytes_per_token=1000).policy)
+    after = rules_of(small_policy(cost__logprob_bytes_per_token=3000).policy)
+    d = demand.build(before, 5_000, arrived_at=0.0, cached_tokens=2_000, logprob_start=4_500)
+    again = demand.reprice(after, d)
+    assert (again.logprob_start, again.cached_tokens) == (4_500, 2_000)
+    assert again.projected_bytes == 1_000 * 1024 + 500 * 3000

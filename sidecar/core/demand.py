@@ -47,8 +47,8 @@ class Demand:
     mamba_slots: int
     # Bytes outside the KV pool the largest prefill chunk allocates (``core/cost.py``).
     projected_bytes: int
-    # The chunked-prefill size the projection used (the engine's, else the lane's; the whole prompt
-    # where the engine runs without chunking).
+    # The chunked-prefill size the projection used (the engine's, else the lane's; the lane's context
+    # where the engine runs without chunking: every prompt is one chunk).
     chunk_size: int
     priority: int
     # When it arrived and the latest time it may leave the hold queue (``hold.max_wait_s`` later).
@@ -88,10 +88,12 @@ def build(
         # An over-estimate beyond the context would hold the request for ever (no pool is that big);
         # a prompt really that long is refused by the engine itself with a 400, before any prefill.
         prompt_tokens = min(prompt_tokens, rules.lane.context_len)
-    chunk = chunk or rules.lane.chunked_prefill_size
-    if chunk < 0:
-        # The engine's -1: chunked prefill off, the whole prompt in one extend step (evidence B6).
-        chunk = max(1, prompt_tokens)
+    if chunk is None:
+        chunk = rules.lane.chunked_prefill_size
+    elif chunk <= 0:
+        # The engine's -1 (SGLang reads any size <= 0 so): chunked prefill off, the whole uncached
+        # prompt in one extend step (evidence MTC1). A chunk as long as any prompt the lane takes.
+        chunk = max(prompt_tokens, rules.lane.context_len)
     cached = min(max(0, cached_tokens), prompt_tokens)
     logprob_tokens = 0
     if logprob_start is not None:
