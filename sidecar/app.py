@@ -440,19 +440,20 @@ class SidecarApp:
             cached = self._context_cache = (snap, a.loaded, a.shadow, *_snapshot_context(a, snap))
         _, _, _, head, engine, gpu = cached
         e, g = snap.engine, snap.gpu
-        context = head.copy()  # policy, mode
-        context["held"] = a.held
-        if e is None:
-            context["engine"] = None
-        else:
-            context["engine"] = fields = engine.copy()
-            fields["age_s"] = round(max(0.0, now - e.observed_at), 3)
-        if g is None:
-            context["gpu"] = None
-        else:
-            context["gpu"] = fields = gpu.copy()
-            fields["age_s"] = round(max(0.0, now - g.observed_at), 3)
-        return context
+        # One dict display per part, no copy updated in place; an age below 0 (a reading stamped after
+        # ``now``) is 0.0, as ``max(0.0, age)`` gave.
+        if e is not None:
+            age = now - e.observed_at
+            engine = {**engine, "age_s": round(age, 3) if age > 0.0 else 0.0}
+        if g is not None:
+            age = now - g.observed_at
+            gpu = {**gpu, "age_s": round(age, 3) if age > 0.0 else 0.0}
+        return {
+            **head,
+            "held": a.held,
+            "engine": engine if e is not None else None,
+            "gpu": gpu if g is not None else None,
+        }
 
     # -- policy -----------------------------------------------------------------------------------
 

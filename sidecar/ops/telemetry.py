@@ -337,17 +337,20 @@ def _line(fields: dict[str, Any]) -> str:
 def decision_record(
     d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
 ) -> dict[str, Any]:
-    """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back."""
-    record = {"ts": round(time.time(), 3), "event": "decision"}
-    record.update(decision_fields(d, cost))
-    record["waited_s"] = round(waited_s, 4)
-    record["ledger"] = {
-        "requests": ledger.requests,
-        "prefill_tokens": ledger.prefill_tokens,
-        "projected_bytes": ledger.projected_bytes,
+    """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back.
+    One dict display (not a dict updated three times): it is built per decision (issue #27)."""
+    return {
+        "ts": round(time.time(), 3),
+        "event": "decision",
+        **decision_fields(d, cost),
+        "waited_s": round(waited_s, 4),
+        "ledger": {
+            "requests": ledger.requests,
+            "prefill_tokens": ledger.prefill_tokens,
+            "projected_bytes": ledger.projected_bytes,
+        },
+        **context,
     }
-    record.update(context)
-    return record
 
 
 class StateCollector(Collector):
