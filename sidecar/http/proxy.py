@@ -49,6 +49,7 @@ from sidecar.intake.demand import demand_of
 from sidecar.intake.gateway import gateway_fields_in, without_fields
 from sidecar.intake.tokens import PromptCounter, TokenCount
 from sidecar.policy.engine_routes import Route
+from sidecar.policy.priority import PriorityBounds
 
 log = logging.getLogger("sidecar.http.proxy")
 
@@ -138,6 +139,8 @@ class Proxy:
         # Gate work per loop turn (``_Turns``): a burst's first requests reach the engine, and their first
         # bytes the clients, while the rest are still to be decided.
         self.turns = _Turns()
+        # What the body parser takes from the policy in force (``_intake_of``), per policy.
+        self._intake: tuple[Any, ...] = (None,)
 
     # -- entry ---------------------------------------------------------------------------------------
 
@@ -182,9 +185,10 @@ class Proxy:
             rid = sent_id or new_request_id()
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
             return
-        if route is not None:
-            # Forward to the route the engine would serve, not to a variant it would redirect.
-            scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
+        if route is not None and (scope["path"] != route.path or scope.get("raw_path") != _raw(route.path)):
+            # Forward to the route the engine would serve, not to a variant it would redirect (a request
+            # to the route itself, nearly all, keeps its scope: the copy would be the same).
+            scope = {**scope, "path": route.path, "raw_path": _raw(route.path)}
         await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive, scope)
 
     # -- gated ---------------------------------------------------------------------------------------
@@ -212,12 +216,18 @@ class Proxy:
                     handle.on_overrun(lambda h: task.cancel(_OVERRUN))
                     # The parsed request, its count and demand died with _decide's frame; a large body's
                     # raw bytes go once they are written to the engine, not after a stream's minutes.
-                    extra, forward = admitted
-                    stripped = forward.pop("body", None)
+                    extra, request_id, measured, stripped = admitted
                     if stripped is not None:
                         body = _Body(stripped)
                     await self._forward(
-                        scope, body.payload(), send, handle, extra, length=len(body), **forward
+                        scope,
+                        body.payload(),
+                        send,
+                        handle,
+                        extra,
+                        length=body.size,
+                        request_id=request_id,
+                        measured=measured,
                     )
             finally:  # the rids go before any answer below is sent
                 for rid in rids:
@@ -246,25 +256,38 @@ class Proxy:
         route: Route | None,
         sent_id: str | None,
         rids: list[str],
-    ) -> tuple[list[tuple[bytes, bytes]], dict[str, Any]] | None:
+    ) -> tuple[list[tuple[bytes, bytes]], str | None, bool, bytes | None] | None:
         """Parse, count, decide: the admit headers and _forward's options, or None once answered here.
         ``rids``: where the request's rids are put once it holds them (the caller lets them go)."""
         a = self.admission
-        bounds = a.policy.priority.bounds
-        args = (scope["path"], body, _headers_dict(scope, _parser_header_names(bounds.class_header)))
-        options = {
-            "max_body_bytes": a.policy.limits.max_body_bytes,
-            "accept_emulator": self.trust_declared_sizes,
-            "priority": bounds,
-            "shape": route.shape if route is not None and route.shape else None,
-        }
+        intake = self._intake
+        if intake[0] is not a.loaded:  # once per policy, not per request
+            intake = self._intake = _intake_of(a.loaded)
+        _, bounds, names, max_body_bytes = intake
+        headers = _headers_dict(scope, names)
+        shape = route.shape if route is not None and route.shape else None
         try:
             # A 500K-token prompt is MBs of JSON (tens of ms to decode): off the loop, so other requests
             # and the pollers do not wait behind it. Small bodies are cheaper parsed in place.
             if len(body) > PARSE_IN_THREAD_BYTES:
-                req = await asyncio.to_thread(functools.partial(parse_generation, *args, **options))
+                options = {
+                    "max_body_bytes": max_body_bytes,
+                    "accept_emulator": self.trust_declared_sizes,
+                    "priority": bounds,
+                    "shape": shape,
+                }
+                parse = functools.partial(parse_generation, scope["path"], body, headers, **options)
+                req = await asyncio.to_thread(parse)
             else:
-                req = parse_generation(*args, **options)
+                req = parse_generation(
+                    scope["path"],
+                    body,
+                    headers,
+                    max_body_bytes=max_body_bytes,
+                    accept_emulator=self.trust_declared_sizes,
+                    priority=bounds,
+                    shape=shape,
+                )
         except BadRequest as e:
             rid = sent_id or new_request_id()
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
@@ -298,10 +321,9 @@ class Proxy:
             d = handle.shadow_reject
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
             extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
-        forward: dict[str, Any] = {"request_id": None if sent_id else rid, "measured": req.stream}
-        if stripped is not None:
-            forward["body"] = stripped
-        return extra, forward
+        # The forward's options: the id the sidecar chose (None: the client's goes with its headers),
+        # whether the first byte times a prefill (a stream), the body without a stripped field.
+        return extra, None if sent_id else rid, req.stream, stripped
 
     def _gateway_fields(self, req: GenerationRequest, body: bytes | bytearray) -> bytes | None:
         """Policy ``gateway_fields``: a client's copy of a gateway-only field refused (400), or the
@@ -808,6 +830,20 @@ def _headers_dict(scope: Scope, names: frozenset[bytes]) -> dict[str, str]:
     decoded; a request carries none of them mostly, and decoding all of its headers was per-request
     work for nothing (issue #27)."""
     return {k.decode("latin-1"): v.decode("utf-8") for k, v in scope["headers"] if k in names}
+
+
+def _intake_of(loaded: Any) -> tuple[Any, PriorityBounds, frozenset[bytes], int]:
+    """The policy's share of a body's parse: its priority bounds, the headers the parser reads
+    (``_parser_header_names``) and the body limit; read once per policy (``Proxy._intake``)."""
+    policy = loaded.policy
+    bounds = policy.priority.bounds
+    return loaded, bounds, _parser_header_names(bounds.class_header), policy.limits.max_body_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _raw(path: str) -> bytes:
+    """A route's path as an ASGI ``raw_path`` (a lane's gated routes are few)."""
+    return path.encode()
 
 
 @functools.lru_cache(maxsize=8)
