@@ -214,7 +214,13 @@ class Telemetry:
         self.context: Callable[[], dict[str, Any]] = dict
 
     def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
-        if d.action is Action.HOLD:
+        action = d.action
+        if action is Action.ADMIT:  # the common case first
+            self._admits.inc()
+            self._hold.observe(waited_s)
+            if cost.projected_bytes > self.largest_admitted_bytes:
+                self.largest_admitted_bytes = cost.projected_bytes
+        elif action is Action.HOLD:
             # A hold always names what it waits for; a reason-less hold would be a core bug, counted
             # under the strict-order wait it most likely is rather than dropped.
             reason = d.reason or Reason.VRAM_HEADROOM
@@ -226,11 +232,6 @@ class Telemetry:
             if self.shadow:
                 self._admits.inc()
                 self._hold.observe(0.0)
-        elif d.action is Action.ADMIT:
-            self._admits.inc()
-            self._hold.observe(waited_s)
-            if cost.projected_bytes > self.largest_admitted_bytes:
-                self.largest_admitted_bytes = cost.projected_bytes
         elif d.reason is Reason.PREFILL_OVERRUN:
             # The in-flight guard aborted an admitted request (it was counted as an admit, and its
             # outcome is `prefill_overrun`): the decision log records this second verdict, and an
@@ -252,7 +253,7 @@ class Telemetry:
         elif log.isEnabledFor(logging.INFO):
             # Through the process's log pipeline (sidecar.ops.logs): its format, its bounded queue.
             fields = decision_record(d, cost, waited_s, ledger, self.context())
-            log.info("decision %s", d.action.value, extra={"fields": fields})
+            log.info("decision %s", action._value_, extra={"fields": fields})
 
     def first_byte(self, seconds: float) -> None:
         """The upstream's first body byte for an admitted request arrived ``seconds`` after forwarding."""
