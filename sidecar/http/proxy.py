@@ -63,6 +63,8 @@ _DROP_REQUEST_KEEP_LENGTH = _DROP_REQUEST - {b"content-length"}
 # uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
 _DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
 PARSE_IN_THREAD_BYTES = 256 * 1024
+# Built once: an isinstance against `bytes | bytearray` makes a new union object at every call.
+_BYTES = (bytes, bytearray)
 # A client's X-Request-Id is kept when it looks like an id (what routers and SDKs send); anything else
 # is replaced, so a header cannot smuggle text into logs.
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:@/+=-]{1,128}$")
@@ -419,7 +421,7 @@ class Proxy:
         assert session is not None, "proxy used outside the app's lifespan"
         started = False
         forwarded_at = time.monotonic()
-        sized = length is not None and not isinstance(body, bytes | bytearray)
+        sized = length is not None and not isinstance(body, _BYTES)
         target, req_headers = self._upstream_target(
             scope, session.__class__ is UpstreamClient, keep_length, length if sized else None, request_id
         )

@@ -401,6 +401,10 @@ def _wrong(where: str, expected: str, value: object) -> BadRequest:
     )
 
 
+# Built once: an isinstance against `int | float` makes a new union object at every call (per field).
+_NUMBER = (int, float)
+
+
 def _opt_int(
     obj: Mapping[str, Any], key: str, where: str, *, minimum: int = 0, maximum: int = MAX_INT
 ) -> int | None:
@@ -413,7 +417,7 @@ def _opt_int(
     value = obj.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, _NUMBER):
         raise _wrong(where, "an integer", value)
     if isinstance(value, float):
         if not (math.isfinite(value) and value.is_integer()):
