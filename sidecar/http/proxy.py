@@ -191,7 +191,10 @@ class Proxy:
             # Forward to the route the engine would serve, not to a variant it would redirect (a request
             # to the route itself, nearly all, keeps its scope: the copy would be the same).
             scope = {**scope, "path": route.path, "raw_path": _raw(route.path)}
-        await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive, scope)
+        task = asyncio.current_task()  # once: the forward's overrun callback and the disconnect watch
+        assert task is not None
+        work = self._gated(scope, body, send, handle, route, sent_id, task)
+        await _until_disconnect(work, receive, scope, task=task)
 
     # -- gated ---------------------------------------------------------------------------------------
 
@@ -203,9 +206,11 @@ class Proxy:
         handle: Handle,
         route: Route | None = None,
         sent_id: str | None = None,
+        task: asyncio.Task | None = None,
     ) -> None:
         """Decide and forward. One coroutine (not one around another): every resumption of the
-        upstream request passes through each frame of the stack (issue #27)."""
+        upstream request passes through each frame of the stack (issue #27). ``task``: this request's
+        (the current one; the caller hands it over when it has it)."""
         rids: list[str] = []
         try:
             try:
@@ -213,9 +218,9 @@ class Proxy:
                     await self.turns.wait()
                 admitted = await self._decide(scope, body.data, send, handle, route, sent_id, rids)
                 if admitted is not None:
-                    task = asyncio.current_task()
-                    assert task is not None
-                    handle.on_overrun(lambda h: task.cancel(_OVERRUN))
+                    mine = task if task is not None else asyncio.current_task()
+                    assert mine is not None
+                    handle.on_overrun(lambda h: mine.cancel(_OVERRUN))
                     # The parsed request, its count and demand died with _decide's frame; a large body's
                     # raw bytes go once they are written to the engine, not after a stream's minutes.
                     extra, request_id, measured, stripped = admitted
@@ -727,7 +732,11 @@ class _PassThroughBody:
 
 
 async def _until_disconnect(
-    work: Awaitable[None], receive: Receive, scope: Scope, after: asyncio.Event | None = None
+    work: Awaitable[None],
+    receive: Receive,
+    scope: Scope,
+    after: asyncio.Event | None = None,
+    task: asyncio.Task | None = None,
 ) -> None:
     """Run ``work`` in this task; if the client disconnects first, cancel it (its finally blocks do the
     cleanup) and raise :class:`ClientGone`.
@@ -740,7 +749,8 @@ async def _until_disconnect(
     request's path; issue #12). Awaited in place, the work has started before anything can cancel it,
     so its own cleanup always runs.
     """
-    task = asyncio.current_task()
+    if task is None:  # the caller may hand it over (it had it already)
+        task = asyncio.current_task()
     assert task is not None
     gone = False
     watch = scope.get(DISCONNECT_WATCH) if after is None else None
