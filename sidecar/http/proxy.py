@@ -62,6 +62,7 @@ _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
 _DROP_REQUEST_KEEP_LENGTH = _DROP_REQUEST - {b"content-length"}
 # uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
 _DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
+_DROP_RESPONSE_GATED = _DROP_RESPONSE | {b"x-request-id"}
 PARSE_IN_THREAD_BYTES = 256 * 1024
 # Built once: an isinstance against `bytes | bytearray` makes a new union object at every call.
 _BYTES = (bytes, bytearray)
@@ -437,10 +438,10 @@ class Proxy:
                 note = scope.get(ACCESS_NOTE)
                 if note is not None:
                     note["upstream_status"] = resp.status  # for the access log
-                headers = _response_headers(resp.raw_headers, self._origin)
-                if handle is not None:
-                    # Ours names this request in the decision log; an engine's echo would duplicate it.
-                    headers = [h for h in headers if h[0] != b"x-request-id"]
+                # A gated answer drops the engine's X-Request-Id too: ours names this request in the
+                # decision log; an engine's echo would duplicate it.
+                drop = _DROP_RESPONSE if handle is None else _DROP_RESPONSE_GATED
+                headers = _response_headers(resp.raw_headers, self._origin, drop)
                 headers += extra_headers
                 start = {"type": "http.response.start", "status": resp.status, "headers": headers}
                 if handle is None:
@@ -906,12 +907,14 @@ def _header_problem(scope: Scope) -> Response | None:
     return None
 
 
-def _response_headers(raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b"") -> list[tuple[bytes, bytes]]:
+def _response_headers(
+    raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b"", drop: frozenset[bytes] = _DROP_RESPONSE
+) -> list[tuple[bytes, bytes]]:
     out = []
     connection = False
     for k, v in raw:
         k = k.lower()
-        if k in _DROP_RESPONSE:
+        if k in drop:
             connection = connection or k == b"connection"
             continue
         if k in _LOCATION_HEADERS and origin:
