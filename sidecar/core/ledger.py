@@ -1,8 +1,7 @@
 """What the sidecar has admitted and the engine still holds because of it, in two parts.
 
 A request's *prefill* part is released at its first streamed byte, its *running* part when it ends;
-totals are kept incrementally (a read sums the changes since the previous one) and every release is
-idempotent. Why the transients are
+totals are kept incrementally (O(1) reads) and every release is idempotent. Why the transients are
 summed, not the largest batch's: ``docs/design.md`` (the ledger).
 """
 
@@ -31,49 +30,24 @@ class LedgerTotals(Booked):
 
 
 class Ledger:
-    """The admitted requests' charges and their totals.
-
-    The totals are summed when read, not at every change (issue #27): a gated request changes the
-    ledger three times (charge, prefill end, release) and the gate reads it twice (the decision's
-    situation, the admission's record), so the changes of one charge between two reads (its prefill
-    end and release, typically) are summed into one new ``LedgerTotals``, not one each. Integer sums:
-    the same totals, in whatever grouping.
-    """
-
     def __init__(self) -> None:
-        # key -> [charge, still prefilling]: a list, changed in place at the prefill's end.
+        # key -> [charge, still prefilling]: a list changed in place at the prefill's end (a frozen
+        # entry rebuilt there cost a construction per first byte; issue #27).
         self._entries: dict[int, list] = {}
         self._ids = count(1)
         self._totals = LedgerTotals()
-        # Changes not yet in ``_totals``: id(charge) -> [charge, prefill multiplier, running multiplier].
-        self._pending: dict[int, list] = {}
 
     @property
     def totals(self) -> LedgerTotals:
-        if self._pending:
-            t = self._totals
-            for c, prefill, running in self._pending.values():
-                if prefill or running:
-                    t = _added(t, c, prefill=prefill, running=running)
-            self._pending.clear()
-            self._totals = t
         return self._totals
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _change(self, c: Charge, prefill: int, running: int) -> None:
-        change = self._pending.get(id(c))
-        if change is None:
-            self._pending[id(c)] = [c, prefill, running]  # the charge is held there: its id stays its own
-        else:
-            change[1] += prefill
-            change[2] += running
-
     def charge(self, charge: Charge) -> int:
         key = next(self._ids)
         self._entries[key] = [charge, True]
-        self._change(charge, 1, 1)
+        self._totals = _added(self._totals, charge, prefill=1, running=1)
         return key
 
     def prefill_done(self, key: int) -> bool:
@@ -83,7 +57,7 @@ class Ledger:
         if entry is None or not entry[1]:
             return False
         entry[1] = False
-        self._change(entry[0], -1, 0)
+        self._totals = _added(self._totals, entry[0], prefill=-1, running=0)
         return True
 
     def release(self, key: int) -> bool:
@@ -91,18 +65,18 @@ class Ledger:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self._change(entry[0], -1 if entry[1] else 0, -1)
+        self._totals = _added(self._totals, entry[0], prefill=-1 if entry[1] else 0, running=-1)
         return True
 
 
 def _added(t: LedgerTotals, c: Charge, *, prefill: int, running: int) -> LedgerTotals:
     """``t`` with ``c``'s prefill part (the booked quantities, the request and its sequences) added
     ``prefill`` times and its running part (the running request and its Mamba slots) ``running`` times
-    (a charge's changes since the last read, summed: each -2 to 2).
+    (each -1, 0 or 1).
 
-    One construction, every field named: this runs once or twice per gated request (``Ledger.totals``
-    sums a charge's changes between two reads in one), where ``dataclasses.replace`` over the fields
-    by name made a request's three changes ~12 µs, one construction each ~7.5 (2 cores). ``tests/test_ledger_totals.py`` checks it against that generic sum field by field,
+    One construction, every field named: this runs three times per gated request (charge, prefill
+    end, release), where ``dataclasses.replace`` over the fields by name made that cycle ~12 µs, now
+    ~7.5 (2 cores). ``tests/test_ledger_totals.py`` checks it against that generic sum field by field,
     so a field added to ``Booked`` and missed here fails there.
     """
     return LedgerTotals(

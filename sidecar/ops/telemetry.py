@@ -212,6 +212,9 @@ class Telemetry:
         self.largest_admitted_bytes = 0
         registry.register(_LargestAdmitted(self))
         self.context: Callable[[], dict[str, Any]] = dict
+        # The same context as the JSON members a decision line ends with (``spliced``), or None for
+        # the dict's way: the shell serializes what changes only with a snapshot once (issue #27).
+        self.context_json: Callable[[], bytes | None] = lambda: None
 
     def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         action = d.action
@@ -248,8 +251,13 @@ class Telemetry:
             self._hold.observe(waited_s)
         # The record is built only when something writes it.
         if self._writer is not None:
-            fields = decision_record(d, cost, waited_s, ledger, self.context())
-            self._writer.put(_line(fields))
+            members = self.context_json()
+            line = (
+                None if members is None else spliced(decision_record(d, cost, waited_s, ledger, {}), members)
+            )
+            if line is None:
+                line = _line(decision_record(d, cost, waited_s, ledger, self.context()))
+            self._writer.put(line)
         elif log.isEnabledFor(logging.INFO):
             # Through the process's log pipeline (sidecar.ops.logs): its format, its bounded queue.
             fields = decision_record(d, cost, waited_s, ledger, self.context())
@@ -333,6 +341,34 @@ def _line(fields: dict[str, Any]) -> str:
         return orjson.dumps(fields).decode()
     except TypeError:
         return json.dumps(fields, separators=(",", ":"))
+
+
+def spliced(fields: dict[str, Any], members: bytes) -> str | None:
+    """``_line`` of ``fields`` followed by the context's ``members`` (``context_fragments``): the same
+    bytes as one ``orjson.dumps`` of the merged dict, whose members it writes in order. None where
+    orjson refuses ``fields`` (then the merged dict goes ``_line``'s way)."""
+    try:
+        head = orjson.dumps(fields)
+    except TypeError:
+        return None
+    return (head[:-1] + b"," + members + b"}").decode() if members else head.decode()
+
+
+def context_fragments(
+    head: dict[str, Any], engine: dict[str, Any], gpu: dict[str, Any]
+) -> tuple[bytes, bytes, bytes] | None:
+    """The decision log's context parts that change only with a snapshot (the shell's ``_log_context``
+    head, engine and GPU fields) as JSON, once per snapshot: the head's members up to the held count's
+    key, and the engine's and the GPU's objects left open for their ``age_s`` (last). None where orjson
+    cannot write them (the record then goes the dict's way)."""
+    try:
+        return (
+            (orjson.dumps(head)[1:-1] + b"," if head else b"") + b'"held":',
+            orjson.dumps(engine)[:-1] + (b',"age_s":' if engine else b'"age_s":'),
+            orjson.dumps(gpu)[:-1] + (b',"age_s":' if gpu else b'"age_s":'),
+        )
+    except TypeError:
+        return None
 
 
 def decision_record(
