@@ -125,15 +125,21 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
     collections0 = [g["collections"] for g in gc.get_stats()]
     # CPU time, not wall: on a shared machine wall time is mostly other processes' turn.
     prof = cProfile.Profile(time.process_time) if profile else None
-    t0 = time.process_time()
+    # GATE_CHUNKS=k: the n requests in k chunks, the cheapest chunk's figure reported (a chunk that
+    # shared the cores with another process costs more CPU, never less: the least is the least noisy).
+    chunks = max(1, int(os.environ.get("GATE_CHUNKS", "1")))
+    cpu_per: list[float] = []
     if prof:
         prof.enable()
-    for _ in range(n):
-        await _one(app, gated)
+    for c in range(chunks):
+        t0 = time.process_time()
+        size = n // chunks + (c < n % chunks)
+        for _ in range(size):
+            await _one(app, gated)
+        cpu_per.append((time.process_time() - t0) / size)
     if prof:
         prof.disable()
-    cpu = time.process_time() - t0
-    out: dict[str, Any] = {"kind": kind, "n": n, "cpu_us_per_request": 1e6 * cpu / n}
+    out: dict[str, Any] = {"kind": kind, "n": n, "cpu_us_per_request": 1e6 * min(cpu_per)}
     out["gc_collections_per_1000"] = [
         round(1000 * (g["collections"] - c0) / n, 1)
         for g, c0 in zip(gc.get_stats(), collections0, strict=True)
@@ -290,7 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--phases", action="store_true", help="also time the gate's pieces (PHASES) per tree")
     ap.add_argument("--labels", default="after,before", help="names of this tree and --base's in the report")
+    ap.add_argument(
+        "--chunks",
+        type=int,
+        default=1,
+        help="measure each child's N requests in this many chunks and take the cheapest chunk's CPU per "
+        "request (on a shared machine, interference only adds CPU)",
+    )
     args = ap.parse_args(argv)
+    os.environ["GATE_CHUNKS"] = str(args.chunks)  # the children read it
     if args.child:
         logging.basicConfig(level=logging.WARNING)
         print(json.dumps(asyncio.run(_child(args.upstream, args.child, args.n, args.profile))))
@@ -329,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         up.terminate()
         up.wait(10)
     med = {key: statistics.median(v) for key, v in cpu.items()}
+    per = f", the cheapest of {args.chunks} chunks per child" if args.chunks > 1 else ""
     lines = [
-        f"- rounds: {args.rounds}, {args.n} sequential requests per child, medians (µs CPU per request)",
+        f"- rounds: {args.rounds}, {args.n} sequential requests per child{per}, medians (µs CPU per request)",
         "",
     ]
     lines += ["| tree | gated | pass-through | gate work (gated - pass) |", "|---|---|---|---|"]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission.clock import LoopClock
@@ -38,7 +39,7 @@ from sidecar.intake.tokens import CounterConfig, PromptCounter, TokenizerLoadErr
 from sidecar.ops import learned_file
 from sidecar.ops.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
 from sidecar.ops.loads import LOADS_PATH, LoadsEndpoint
-from sidecar.ops.telemetry import StateCollector, Telemetry, register_process_metrics
+from sidecar.ops.telemetry import StateCollector, Telemetry, context_fragments, register_process_metrics
 from sidecar.policy.engine_routes import RouteTable, control_route, normalize_path
 from sidecar.policy.schema import LoadedPolicy, PolicyError
 from sidecar.policy.source import PolicySource
@@ -98,6 +99,8 @@ class SidecarApp:
             self.admission.refresh_rules()  # the rules in force with what was restored
         self._context_cache: tuple[Any, ...] | None = None
         self.telemetry.context = self._log_context
+        self._json_cache: tuple[Any, ...] | None = None
+        self.telemetry.context_json = self._log_context_json
         self.counter = PromptCounter(_counter_config(policy), engine_tokenize=self._engine_tokenize)
         self.trust_emulator_sizes = trust_emulator_sizes
         self.proxy = Proxy(
@@ -440,19 +443,48 @@ class SidecarApp:
             cached = self._context_cache = (snap, a.loaded, a.shadow, *_snapshot_context(a, snap))
         _, _, _, head, engine, gpu = cached
         e, g = snap.engine, snap.gpu
-        context = head.copy()  # policy, mode
-        context["held"] = a.held
+        # One dict display per part, no copy updated in place; an age below 0 (a reading stamped after
+        # ``now``) is 0.0, as ``max(0.0, age)`` gave.
+        if e is not None:
+            age = now - e.observed_at
+            engine = {**engine, "age_s": round(age, 3) if age > 0.0 else 0.0}
+        if g is not None:
+            age = now - g.observed_at
+            gpu = {**gpu, "age_s": round(age, 3) if age > 0.0 else 0.0}
+        return {
+            **head,
+            "held": a.held,
+            "engine": engine if e is not None else None,
+            "gpu": gpu if g is not None else None,
+        }
+
+    def _log_context_json(self) -> bytes | None:
+        """:meth:`_log_context` as the JSON members a decision line ends with (``telemetry.spliced``):
+        what a snapshot carries serialized once per snapshot (``telemetry.context_fragments``), the
+        held count and the signals' ages per decision. None: the dict's way (orjson refused a part)."""
+        a = self.admission
+        snap, now = a.snapshot, self.clock()
+        cached = self._json_cache
+        if cached is None or cached[0] is not snap or cached[1] is not a.loaded or cached[2] != a.shadow:
+            parts = context_fragments(*_snapshot_context(a, snap))
+            cached = self._json_cache = (snap, a.loaded, a.shadow, parts)
+        parts = cached[3]
+        if parts is None:
+            return None
+        head, engine, gpu = parts
+        e, g = snap.engine, snap.gpu
+        out = head + b"%d" % a.held
         if e is None:
-            context["engine"] = None
+            out += b',"engine":null'
         else:
-            context["engine"] = fields = engine.copy()
-            fields["age_s"] = round(max(0.0, now - e.observed_at), 3)
+            age = now - e.observed_at
+            out += b',"engine":' + engine + orjson.dumps(round(age, 3) if age > 0.0 else 0.0) + b"}"
         if g is None:
-            context["gpu"] = None
+            out += b',"gpu":null'
         else:
-            context["gpu"] = fields = gpu.copy()
-            fields["age_s"] = round(max(0.0, now - g.observed_at), 3)
-        return context
+            age = now - g.observed_at
+            out += b',"gpu":' + gpu + orjson.dumps(round(age, 3) if age > 0.0 else 0.0) + b"}"
+        return out
 
     # -- policy -----------------------------------------------------------------------------------
 

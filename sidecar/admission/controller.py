@@ -482,11 +482,11 @@ class Admission:
     # -- internals ---------------------------------------------------------------------------------
 
     def _submit(self, h: Handle, demand: Demand, on_done: Callable[[Handle], None]) -> Action:
-        if h.demand is not None or h.ended:
+        if h.demand is not None or h.outcome is not None:
             raise RuntimeError("a handle submits once, before it ends")
         h.demand = demand
         h.sort_key = self._sort_key(demand)
-        h.waited_s = self._waited(h)
+        h.waited_s = self.clock.now() - demand.arrived_at
         ahead = self._ahead_of(h.sort_key) if self._queue.live else None
         d = decide(demand, self.situation(ahead=ahead))
         if self.shadow and d.action is not Action.ADMIT:
@@ -703,6 +703,8 @@ class Admission:
         """An admitted prefill ended (``joins``: a stream's first token that joins a running batch):
         the instant a pending join is taken to be done moves (``core/decide.join_settles``), timed so
         that the held requests are decided again then."""
+        if not joins and self._join_at is None and self._join_timer is None:
+            return  # nothing pending and nothing to start: what the lines below would leave (the norm)
         now = self.clock.now()
         at = join_settles(self._join_at, now, self.rules.cost.join_settle_s, joins=joins)
         if self._join_timer is not None:

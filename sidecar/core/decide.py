@@ -215,13 +215,14 @@ def _judge(
         return action, reason, (check,), check.name
     rules, snap, now = s.rules, s.snapshot, s.now
     gpu_ok = not rules.vram.uses_gpu_signal or _fresh(snap.gpu_age(now), rules.gpu)
+    # Positional, in ``Reading``'s field order (built per decision: issue #27).
     reading = Reading(
-        rules=rules,
-        engine=snap.engine if _fresh(snap.engine_age(now), rules.engine) else None,
-        headroom=headroom if gpu_ok else None,
-        ledger=s.ledger,
-        charge=charge,
-        join_pending=join_pending(s),
+        rules,
+        snap.engine if _fresh(snap.engine_age(now), rules.engine) else None,  # engine
+        headroom if gpu_ok else None,  # headroom
+        s.ledger,
+        charge,
+        join_pending(s),
     )
     checks: list[Check] = []
     failed: tuple[Reason, ExceedAction, str] | None = None

@@ -29,16 +29,11 @@ class LedgerTotals(Booked):
     running_mamba_slots: int = 0
 
 
-@fast_init
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    charge: Charge
-    prefilling: bool = True
-
-
 class Ledger:
     def __init__(self) -> None:
-        self._entries: dict[int, _Entry] = {}
+        # key -> [charge, still prefilling]: a list changed in place at the prefill's end (a frozen
+        # entry rebuilt there cost a construction per first byte; issue #27).
+        self._entries: dict[int, list] = {}
         self._ids = count(1)
         self._totals = LedgerTotals()
 
@@ -51,7 +46,7 @@ class Ledger:
 
     def charge(self, charge: Charge) -> int:
         key = next(self._ids)
-        self._entries[key] = _Entry(charge)
+        self._entries[key] = [charge, True]
         self._totals = _added(self._totals, charge, prefill=1, running=1)
         return key
 
@@ -59,10 +54,10 @@ class Ledger:
         """Release the prefill part; the running part stays until :meth:`release`. False when there
         was no prefill part left (harmless, by design)."""
         entry = self._entries.get(key)
-        if entry is None or not entry.prefilling:
+        if entry is None or not entry[1]:
             return False
-        self._entries[key] = _Entry(entry.charge, False)  # not ``replace``: ~3 µs per first byte
-        self._totals = _added(self._totals, entry.charge, prefill=-1, running=0)
+        entry[1] = False
+        self._totals = _added(self._totals, entry[0], prefill=-1, running=0)
         return True
 
     def release(self, key: int) -> bool:
@@ -70,7 +65,7 @@ class Ledger:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self._totals = _added(self._totals, entry.charge, prefill=-1 if entry.prefilling else 0, running=-1)
+        self._totals = _added(self._totals, entry[0], prefill=-1 if entry[1] else 0, running=-1)
         return True
 
 

@@ -76,11 +76,13 @@ async def send_response(send: Send, resp: Response) -> None:
 
 
 def decision_fields(d: Decision, demand: Demand) -> dict[str, Any]:
-    """The decision with the numbers that decided it, and nothing of the prompt's text."""
+    """The decision with the numbers that decided it, and nothing of the prompt's text. The enums'
+    ``_value_`` (their plain string): ``.value`` is a Python-level property, read per decision."""
+    reason = d.reason
     return {
         "request_id": demand.request_id,
-        "decision": d.action.value,
-        "reason": d.reason.value if d.reason else None,
+        "decision": d.action._value_,
+        "reason": reason._value_ if reason is not None else None,
         "prompt_tokens": demand.prompt_tokens,
         "exact": demand.exact,
         "cached_tokens": demand.cached_tokens,

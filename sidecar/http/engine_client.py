@@ -44,6 +44,8 @@ import httptools
 BUFFER_HIGH = 256 * 1024
 # A body below this goes out in one write with the head (joined); a larger one after it, uncopied.
 INLINE_BODY = 64 * 1024
+# Built once: an isinstance against `bytes | bytearray | memoryview` makes a union object per call.
+_BYTES_LIKE = (bytes, bytearray, memoryview)
 _BODILESS_STATUS = frozenset({204, 304})
 # RFC 9110 9.2.2 (aiohttp's list): these may be sent again on a fresh connection when a reused one was stale.
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
@@ -593,7 +595,7 @@ class UpstreamClient:
             if m in ("POST", "PUT", "PATCH") and not has_length:
                 parts.append(b"Content-Length: 0\r\n")
             parts.append(b"\r\n")
-        elif isinstance(data, bytes | bytearray | memoryview):
+        elif isinstance(data, _BYTES_LIKE):
             if not has_length:
                 parts += (b"Content-Length: ", str(len(data)).encode(), b"\r\n")
             parts.append(b"\r\n")

@@ -49,6 +49,7 @@ from sidecar.intake.demand import demand_of
 from sidecar.intake.gateway import gateway_fields_in, without_fields
 from sidecar.intake.tokens import PromptCounter, TokenCount
 from sidecar.policy.engine_routes import Route
+from sidecar.policy.priority import PriorityBounds
 
 log = logging.getLogger("sidecar.http.proxy")
 
@@ -61,7 +62,10 @@ _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length"}
 _DROP_REQUEST_KEEP_LENGTH = _DROP_REQUEST - {b"content-length"}
 # uvicorn adds its own; a duplicated `server` header breaks aiohttp clients.
 _DROP_RESPONSE = HOP_BY_HOP | {b"server", b"date"}
+_DROP_RESPONSE_GATED = _DROP_RESPONSE | {b"x-request-id"}
 PARSE_IN_THREAD_BYTES = 256 * 1024
+# Built once: an isinstance against `bytes | bytearray` makes a new union object at every call.
+_BYTES = (bytes, bytearray)
 # A client's X-Request-Id is kept when it looks like an id (what routers and SDKs send); anything else
 # is replaced, so a header cannot smuggle text into logs.
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:@/+=-]{1,128}$")
@@ -138,6 +142,8 @@ class Proxy:
         # Gate work per loop turn (``_Turns``): a burst's first requests reach the engine, and their first
         # bytes the clients, while the rest are still to be decided.
         self.turns = _Turns()
+        # What the body parser takes from the policy in force (``_intake_of``), per policy.
+        self._intake: tuple[Any, ...] = (None,)
 
     # -- entry ---------------------------------------------------------------------------------------
 
@@ -182,10 +188,14 @@ class Proxy:
             rid = sent_id or new_request_id()
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
             return
-        if route is not None:
-            # Forward to the route the engine would serve, not to a variant it would redirect.
-            scope = {**scope, "path": route.path, "raw_path": route.path.encode()}
-        await _until_disconnect(self._gated(scope, body, send, handle, route, sent_id), receive, scope)
+        if route is not None and (scope["path"] != route.path or scope.get("raw_path") != _raw(route.path)):
+            # Forward to the route the engine would serve, not to a variant it would redirect (a request
+            # to the route itself, nearly all, keeps its scope: the copy would be the same).
+            scope = {**scope, "path": route.path, "raw_path": _raw(route.path)}
+        task = asyncio.current_task()  # once: the forward's overrun callback and the disconnect watch
+        assert task is not None
+        work = self._gated(scope, body, send, handle, route, sent_id, task)
+        await _until_disconnect(work, receive, scope, task=task)
 
     # -- gated ---------------------------------------------------------------------------------------
 
@@ -197,9 +207,11 @@ class Proxy:
         handle: Handle,
         route: Route | None = None,
         sent_id: str | None = None,
+        task: asyncio.Task | None = None,
     ) -> None:
         """Decide and forward. One coroutine (not one around another): every resumption of the
-        upstream request passes through each frame of the stack (issue #27)."""
+        upstream request passes through each frame of the stack (issue #27). ``task``: this request's
+        (the current one; the caller hands it over when it has it)."""
         rids: list[str] = []
         try:
             try:
@@ -207,17 +219,23 @@ class Proxy:
                     await self.turns.wait()
                 admitted = await self._decide(scope, body.data, send, handle, route, sent_id, rids)
                 if admitted is not None:
-                    task = asyncio.current_task()
-                    assert task is not None
-                    handle.on_overrun(lambda h: task.cancel(_OVERRUN))
+                    mine = task if task is not None else asyncio.current_task()
+                    assert mine is not None
+                    handle.on_overrun(lambda h: mine.cancel(_OVERRUN))
                     # The parsed request, its count and demand died with _decide's frame; a large body's
                     # raw bytes go once they are written to the engine, not after a stream's minutes.
-                    extra, forward = admitted
-                    stripped = forward.pop("body", None)
+                    extra, request_id, measured, stripped = admitted
                     if stripped is not None:
                         body = _Body(stripped)
                     await self._forward(
-                        scope, body.payload(), send, handle, extra, length=len(body), **forward
+                        scope,
+                        body.payload(),
+                        send,
+                        handle,
+                        extra,
+                        length=body.size,
+                        request_id=request_id,
+                        measured=measured,
                     )
             finally:  # the rids go before any answer below is sent
                 for rid in rids:
@@ -246,25 +264,38 @@ class Proxy:
         route: Route | None,
         sent_id: str | None,
         rids: list[str],
-    ) -> tuple[list[tuple[bytes, bytes]], dict[str, Any]] | None:
+    ) -> tuple[list[tuple[bytes, bytes]], str | None, bool, bytes | None] | None:
         """Parse, count, decide: the admit headers and _forward's options, or None once answered here.
         ``rids``: where the request's rids are put once it holds them (the caller lets them go)."""
         a = self.admission
-        bounds = a.policy.priority.bounds
-        args = (scope["path"], body, _headers_dict(scope, _parser_header_names(bounds.class_header)))
-        options = {
-            "max_body_bytes": a.policy.limits.max_body_bytes,
-            "accept_emulator": self.trust_declared_sizes,
-            "priority": bounds,
-            "shape": route.shape if route is not None and route.shape else None,
-        }
+        intake = self._intake
+        if intake[0] is not a.loaded:  # once per policy, not per request
+            intake = self._intake = _intake_of(a.loaded)
+        _, bounds, names, max_body_bytes = intake
+        headers = _headers_dict(scope, names)
+        shape = route.shape if route is not None and route.shape else None
         try:
             # A 500K-token prompt is MBs of JSON (tens of ms to decode): off the loop, so other requests
             # and the pollers do not wait behind it. Small bodies are cheaper parsed in place.
             if len(body) > PARSE_IN_THREAD_BYTES:
-                req = await asyncio.to_thread(functools.partial(parse_generation, *args, **options))
+                options = {
+                    "max_body_bytes": max_body_bytes,
+                    "accept_emulator": self.trust_declared_sizes,
+                    "priority": bounds,
+                    "shape": shape,
+                }
+                parse = functools.partial(parse_generation, scope["path"], body, headers, **options)
+                req = await asyncio.to_thread(parse)
             else:
-                req = parse_generation(*args, **options)
+                req = parse_generation(
+                    scope["path"],
+                    body,
+                    headers,
+                    max_body_bytes=max_body_bytes,
+                    accept_emulator=self.trust_declared_sizes,
+                    priority=bounds,
+                    shape=shape,
+                )
         except BadRequest as e:
             rid = sent_id or new_request_id()
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
@@ -298,10 +329,9 @@ class Proxy:
             d = handle.shadow_reject
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
             extra.append((b"x-admission-shadow-reason", (d.reason.value if d.reason else "none").encode()))
-        forward: dict[str, Any] = {"request_id": None if sent_id else rid, "measured": req.stream}
-        if stripped is not None:
-            forward["body"] = stripped
-        return extra, forward
+        # The forward's options: the id the sidecar chose (None: the client's goes with its headers),
+        # whether the first byte times a prefill (a stream), the body without a stripped field.
+        return extra, None if sent_id else rid, req.stream, stripped
 
     def _gateway_fields(self, req: GenerationRequest, body: bytes | bytearray) -> bytes | None:
         """Policy ``gateway_fields``: a client's copy of a gateway-only field refused (400), or the
@@ -397,7 +427,7 @@ class Proxy:
         assert session is not None, "proxy used outside the app's lifespan"
         started = False
         forwarded_at = time.monotonic()
-        sized = length is not None and not isinstance(body, bytes | bytearray)
+        sized = length is not None and not isinstance(body, _BYTES)
         target, req_headers = self._upstream_target(
             scope, session.__class__ is UpstreamClient, keep_length, length if sized else None, request_id
         )
@@ -408,10 +438,10 @@ class Proxy:
                 note = scope.get(ACCESS_NOTE)
                 if note is not None:
                     note["upstream_status"] = resp.status  # for the access log
-                headers = _response_headers(resp.raw_headers, self._origin)
-                if handle is not None:
-                    # Ours names this request in the decision log; an engine's echo would duplicate it.
-                    headers = [h for h in headers if h[0] != b"x-request-id"]
+                # A gated answer drops the engine's X-Request-Id too: ours names this request in the
+                # decision log; an engine's echo would duplicate it.
+                drop = _DROP_RESPONSE if handle is None else _DROP_RESPONSE_GATED
+                headers = _response_headers(resp.raw_headers, self._origin, drop)
                 headers += extra_headers
                 start = {"type": "http.response.start", "status": resp.status, "headers": headers}
                 if handle is None:
@@ -703,7 +733,11 @@ class _PassThroughBody:
 
 
 async def _until_disconnect(
-    work: Awaitable[None], receive: Receive, scope: Scope, after: asyncio.Event | None = None
+    work: Awaitable[None],
+    receive: Receive,
+    scope: Scope,
+    after: asyncio.Event | None = None,
+    task: asyncio.Task | None = None,
 ) -> None:
     """Run ``work`` in this task; if the client disconnects first, cancel it (its finally blocks do the
     cleanup) and raise :class:`ClientGone`.
@@ -716,7 +750,8 @@ async def _until_disconnect(
     request's path; issue #12). Awaited in place, the work has started before anything can cancel it,
     so its own cleanup always runs.
     """
-    task = asyncio.current_task()
+    if task is None:  # the caller may hand it over (it had it already)
+        task = asyncio.current_task()
     assert task is not None
     gone = False
     watch = scope.get(DISCONNECT_WATCH) if after is None else None
@@ -810,6 +845,20 @@ def _headers_dict(scope: Scope, names: frozenset[bytes]) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("utf-8") for k, v in scope["headers"] if k in names}
 
 
+def _intake_of(loaded: Any) -> tuple[Any, PriorityBounds, frozenset[bytes], int]:
+    """The policy's share of a body's parse: its priority bounds, the headers the parser reads
+    (``_parser_header_names``) and the body limit; read once per policy (``Proxy._intake``)."""
+    policy = loaded.policy
+    bounds = policy.priority.bounds
+    return loaded, bounds, _parser_header_names(bounds.class_header), policy.limits.max_body_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _raw(path: str) -> bytes:
+    """A route's path as an ASGI ``raw_path`` (a lane's gated routes are few)."""
+    return path.encode()
+
+
 @functools.lru_cache(maxsize=8)
 def _parser_header_names(class_header: str | None) -> frozenset[bytes]:
     """What ``parse_generation`` consults (``intake.body._priority``, ``PriorityBounds.resolve``), as
@@ -858,12 +907,14 @@ def _header_problem(scope: Scope) -> Response | None:
     return None
 
 
-def _response_headers(raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b"") -> list[tuple[bytes, bytes]]:
+def _response_headers(
+    raw: tuple[tuple[bytes, bytes], ...], origin: bytes = b"", drop: frozenset[bytes] = _DROP_RESPONSE
+) -> list[tuple[bytes, bytes]]:
     out = []
     connection = False
     for k, v in raw:
         k = k.lower()
-        if k in _DROP_RESPONSE:
+        if k in drop:
             connection = connection or k == b"connection"
             continue
         if k in _LOCATION_HEADERS and origin:

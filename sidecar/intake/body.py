@@ -401,6 +401,10 @@ def _wrong(where: str, expected: str, value: object) -> BadRequest:
     )
 
 
+# Built once: an isinstance against `int | float` makes a new union object at every call (per field).
+_NUMBER = (int, float)
+
+
 def _opt_int(
     obj: Mapping[str, Any], key: str, where: str, *, minimum: int = 0, maximum: int = MAX_INT
 ) -> int | None:
@@ -413,7 +417,7 @@ def _opt_int(
     value = obj.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, _NUMBER):
         raise _wrong(where, "an integer", value)
     if isinstance(value, float):
         if not (math.isfinite(value) and value.is_integer()):
@@ -751,21 +755,64 @@ def _generate(obj: dict[str, Any], common: dict[str, Any], declared: bool) -> Ge
         samples = _opt_int(params, "n", "sampling_params.n", minimum=1) or 1
 
     rid, rids = _rids(obj, allow_list=True)
+    logprob_start = _logprob_start(obj)
+    return _request(
+        common,
+        max_new,
+        rid,
+        rids,
+        None,
+        prompt,
+        None,
+        None,
+        embeds_tokens,
+        samples,
+        logprob_start,
+        _media_items(obj),
+    )
+
+
+def _request(
+    common: dict[str, Any],
+    max_new: int | None,
+    rid: str | None,
+    rids: tuple[str, ...],
+    model: str | None,
+    prompt: _Prompt,
+    messages: list[Any] | None,
+    tools: list[Any] | None,
+    embeds_tokens: int | None,
+    samples: int,
+    logprob_start: int | None,
+    media_items: int,
+) -> GenerationRequest:
+    """The request of ``_from_object``'s common fields and a shape's own, built positionally in the
+    fields' order: per request, and a 23-field keyword call cost ~1.7x (issue #27).
+    ``tests/test_body_request.py`` checks the order field by field."""
     return GenerationRequest(
-        **common,
-        max_new_tokens=max_new,
-        logprob_start=_logprob_start(obj),
-        rid=rid,
-        rids=rids,
-        model=None,
-        prompt_text=prompt.text,
-        prompt_token_ids=prompt.token_ids,
-        batch_texts=prompt.batch_texts,
-        batch_token_ids=prompt.batch_token_ids,
-        input_embeds_tokens=embeds_tokens,
-        n_texts=prompt.n_texts,
-        parallel_samples=samples,
-        media_items=_media_items(obj),
+        common["path"],
+        common["kind"],
+        common["stream"],
+        max_new,  # max_new_tokens
+        common["priority"],
+        rid,
+        rids,
+        model,
+        prompt.text,  # prompt_text
+        prompt.token_ids,  # prompt_token_ids
+        messages,
+        tools,
+        prompt.batch_texts,
+        prompt.batch_token_ids,
+        embeds_tokens,  # input_embeds_tokens
+        prompt.n_texts,
+        samples,  # parallel_samples
+        logprob_start,
+        media_items,
+        common["declared_prompt_tokens"],
+        common["prefix_key"],
+        common["declared_cached_tokens"],
+        common["body_obj"],
     )
 
 
@@ -823,25 +870,13 @@ def _openai(obj: dict[str, Any], kind: str, common: dict[str, Any], declared: bo
     if max_new is None:
         max_new = _opt_int(obj, "max_tokens", "max_tokens")
     rid, rids = _rids(obj, allow_list=False)
-    return GenerationRequest(
-        **common,
-        max_new_tokens=max_new,
-        rid=rid,
-        rids=rids,
-        model=_opt_str(obj, "model", "model"),
-        prompt_text=prompt.text,
-        prompt_token_ids=prompt.token_ids,
-        messages=messages,
-        tools=tools,
-        batch_texts=prompt.batch_texts,
-        batch_token_ids=prompt.batch_token_ids,
-        n_texts=prompt.n_texts,
-        # OpenAI's `best_of` generates that many completions server-side and returns the best `n`:
-        # every one of them is a running sequence.
-        parallel_samples=max(
-            _opt_int(obj, "n", "n", minimum=1) or 1, _opt_int(obj, "best_of", "best_of", minimum=1) or 1
-        ),
+    model = _opt_str(obj, "model", "model")
+    # OpenAI's `best_of` generates that many completions server-side and returns the best `n`: every
+    # one of them is a running sequence.
+    samples = max(
+        _opt_int(obj, "n", "n", minimum=1) or 1, _opt_int(obj, "best_of", "best_of", minimum=1) or 1
     )
+    return _request(common, max_new, rid, rids, model, prompt, messages, tools, None, samples, None, 0)
 
 
 # Routes beyond the three generation APIs: where each body keeps its prompt and its output budget.

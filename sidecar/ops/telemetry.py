@@ -212,9 +212,18 @@ class Telemetry:
         self.largest_admitted_bytes = 0
         registry.register(_LargestAdmitted(self))
         self.context: Callable[[], dict[str, Any]] = dict
+        # The same context as the JSON members a decision line ends with (``spliced``), or None for
+        # the dict's way: the shell serializes what changes only with a snapshot once (issue #27).
+        self.context_json: Callable[[], bytes | None] = lambda: None
 
     def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
-        if d.action is Action.HOLD:
+        action = d.action
+        if action is Action.ADMIT:  # the common case first
+            self._admits.inc()
+            self._hold.observe(waited_s)
+            if cost.projected_bytes > self.largest_admitted_bytes:
+                self.largest_admitted_bytes = cost.projected_bytes
+        elif action is Action.HOLD:
             # A hold always names what it waits for; a reason-less hold would be a core bug, counted
             # under the strict-order wait it most likely is rather than dropped.
             reason = d.reason or Reason.VRAM_HEADROOM
@@ -226,11 +235,6 @@ class Telemetry:
             if self.shadow:
                 self._admits.inc()
                 self._hold.observe(0.0)
-        elif d.action is Action.ADMIT:
-            self._admits.inc()
-            self._hold.observe(waited_s)
-            if cost.projected_bytes > self.largest_admitted_bytes:
-                self.largest_admitted_bytes = cost.projected_bytes
         elif d.reason is Reason.PREFILL_OVERRUN:
             # The in-flight guard aborted an admitted request (it was counted as an admit, and its
             # outcome is `prefill_overrun`): the decision log records this second verdict, and an
@@ -247,12 +251,17 @@ class Telemetry:
             self._hold.observe(waited_s)
         # The record is built only when something writes it.
         if self._writer is not None:
-            fields = decision_record(d, cost, waited_s, ledger, self.context())
-            self._writer.put(_line(fields))
+            members = self.context_json()
+            line = (
+                None if members is None else spliced(decision_record(d, cost, waited_s, ledger, {}), members)
+            )
+            if line is None:
+                line = _line(decision_record(d, cost, waited_s, ledger, self.context()))
+            self._writer.put(line)
         elif log.isEnabledFor(logging.INFO):
             # Through the process's log pipeline (sidecar.ops.logs): its format, its bounded queue.
             fields = decision_record(d, cost, waited_s, ledger, self.context())
-            log.info("decision %s", d.action.value, extra={"fields": fields})
+            log.info("decision %s", action._value_, extra={"fields": fields})
 
     def first_byte(self, seconds: float) -> None:
         """The upstream's first body byte for an admitted request arrived ``seconds`` after forwarding."""
@@ -334,20 +343,51 @@ def _line(fields: dict[str, Any]) -> str:
         return json.dumps(fields, separators=(",", ":"))
 
 
+def spliced(fields: dict[str, Any], members: bytes) -> str | None:
+    """``_line`` of ``fields`` followed by the context's ``members`` (``context_fragments``): the same
+    bytes as one ``orjson.dumps`` of the merged dict, whose members it writes in order. None where
+    orjson refuses ``fields`` (then the merged dict goes ``_line``'s way)."""
+    try:
+        head = orjson.dumps(fields)
+    except TypeError:
+        return None
+    return (head[:-1] + b"," + members + b"}").decode() if members else head.decode()
+
+
+def context_fragments(
+    head: dict[str, Any], engine: dict[str, Any], gpu: dict[str, Any]
+) -> tuple[bytes, bytes, bytes] | None:
+    """The decision log's context parts that change only with a snapshot (the shell's ``_log_context``
+    head, engine and GPU fields) as JSON, once per snapshot: the head's members up to the held count's
+    key, and the engine's and the GPU's objects left open for their ``age_s`` (last). None where orjson
+    cannot write them (the record then goes the dict's way)."""
+    try:
+        return (
+            (orjson.dumps(head)[1:-1] + b"," if head else b"") + b'"held":',
+            orjson.dumps(engine)[:-1] + (b',"age_s":' if engine else b'"age_s":'),
+            orjson.dumps(gpu)[:-1] + (b',"age_s":' if gpu else b'"age_s":'),
+        )
+    except TypeError:
+        return None
+
+
 def decision_record(
     d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals, context: dict[str, Any]
 ) -> dict[str, Any]:
-    """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back."""
-    record = {"ts": round(time.time(), 3), "event": "decision"}
-    record.update(decision_fields(d, cost))
-    record["waited_s"] = round(waited_s, 4)
-    record["ledger"] = {
-        "requests": ledger.requests,
-        "prefill_tokens": ledger.prefill_tokens,
-        "projected_bytes": ledger.projected_bytes,
+    """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back.
+    One dict display (not a dict updated three times): it is built per decision (issue #27)."""
+    return {
+        "ts": round(time.time(), 3),
+        "event": "decision",
+        **decision_fields(d, cost),
+        "waited_s": round(waited_s, 4),
+        "ledger": {
+            "requests": ledger.requests,
+            "prefill_tokens": ledger.prefill_tokens,
+            "projected_bytes": ledger.projected_bytes,
+        },
+        **context,
     }
-    record.update(context)
-    return record
 
 
 class StateCollector(Collector):

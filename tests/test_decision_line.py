@@ -1,0 +1,62 @@
+"""The decision line's context written from JSON fragments kept per snapshot (``Telemetry.context_json``,
+``telemetry.spliced``): the same bytes as one ``orjson.dumps`` of the record merged with the context's
+dict, whatever the snapshot holds (no engine report, no GPU reading, NaN usage, ages below zero)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sidecar.app import SidecarApp
+from sidecar.core import demand
+from sidecar.ops.telemetry import _line, decision_record, spliced
+from sidecar.signals.gpu import parse_gpu_source
+from tests.conftest import small_policy, snapshot
+
+NOW = 1000.0
+
+
+def _app(tmp_path: Path) -> SidecarApp:
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text('{"free_bytes": 1, "total_bytes": 2}')
+    return SidecarApp(
+        upstream="http://127.0.0.1:9",
+        policy=small_policy(),
+        gpu_source=parse_gpu_source(f"file:{gpu}"),
+        clock=lambda: NOW,
+    )
+
+
+@pytest.mark.parametrize(
+    "snap",
+    [
+        snapshot(NOW - 0.25),
+        snapshot(NOW + 3.0),  # read "after" now: age 0.0, as max(0.0, age) gave
+        snapshot(NOW - 1.0, free_bytes=None),  # no GPU reading
+        replace(snapshot(NOW - 0.5), engine=None),  # no engine report
+        snapshot(NOW - 0.1234567, full_token_usage=float("nan"), pending_prefill_tokens=None),
+    ],
+)
+def test_the_spliced_line_is_the_merged_record(tmp_path: Path, snap) -> None:  # type: ignore[no-untyped-def]
+    app = _app(tmp_path)
+    a = app.admission
+    a.update_snapshot(snap)
+    want = demand.build(a.rules, 100, arrived_at=NOW, request_id="r-1")
+    d = a.evaluate(want)
+    for held in (0, 7):
+        a._queue.live = held  # type: ignore[misc]  # the held count the context reports
+        record = decision_record(d, want, 0.01234, a.ledger.totals, {})
+        merged = decision_record(d, want, 0.01234, a.ledger.totals, app._log_context())
+        members = app._log_context_json()
+        assert members is not None
+        line = spliced(record, members)
+        record["ts"] = merged["ts"]  # the same instant in both
+        assert spliced(record, members) == _line(merged)
+        assert line is not None
+
+
+def test_a_record_orjson_refuses_goes_the_dicts_way() -> None:
+    assert spliced({"big": 1 << 70}, b'"held":0') is None
+    assert spliced({"a": 1}, b"") == '{"a":1}'
