@@ -121,3 +121,20 @@ def test_a_bad_logprob_start_names_the_field() -> None:
     body = {"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0, "x"]}
     with pytest.raises(Exception, match=r"logprob_start_len\[1\]"):
         parse_generation("/generate", json.dumps(body).encode(), max_body_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_parallel_samples_with_input_logprobs_are_priced_per_copy(n: int) -> None:
+    """With input logprobs every copy recomputes its prompt from ``logprob_start`` (the cache match
+    stops there, B4), logits rows included (B3), in the copies' one extend batch: the engine's peak
+    grows with ``n`` (1,443 MiB at n = 2, 2,886 at n = 4 on this lane for these 500 rows), and the
+    price covers it (it was 811 MiB for both: the rows counted once, the copies one token each)."""
+    prompt, start = 40_000, 40_000 - 500
+    peak, _ = run_one(PROFILE, prompt, samples=n, logprob_start=start)
+    one, _ = run_one(PROFILE, prompt, samples=1, logprob_start=start)
+    assert peak > one
+    rules = rules_for(PROFILE)
+    priced = demand.build(rules, prompt, arrived_at=0.0, samples=n, logprob_start=start).projected_bytes
+    assert peak <= priced
+    # And not by a wide margin: the copies' rows are at most what the price charges for them.
+    assert priced <= 1.25 * peak

@@ -171,6 +171,23 @@ def project_samples(c: CostModel, prompt_tokens: int, prompts: int, samples: int
     return min(int(total), UNBOUNDED_BYTES) if math.isfinite(total) else UNBOUNDED_BYTES
 
 
+def project_sample_rows(
+    c: CostModel, prompt_tokens: int, prompts: int, samples: int, rows: int, chunk: int
+) -> int:
+    """The extend batch of ``n`` > 1 parallel samples that ask for input logprobs, margin included:
+    each copy matches the cache only up to ``logprob_start_len`` (evidence B4), so each recomputes its
+    ``rows`` last prompt tokens, a row of logits each (B3), at its prompt's context. Every term but
+    the fixed one is the copy's own (as for :func:`project_samples`), once per copy; the batch holds at
+    most ``chunk`` tokens, so charging every copy at once bounds any split of them across batches."""
+    k, n = max(1, prompts), max(1, samples)
+    one = shape(max(1, -(-prompt_tokens // k)), rows, chunk, 1, rows)
+    try:
+        total = (fixed(c, one) + sum(t(c, one) for t in TERMS if t is not fixed) * k * n) * c.margin
+    except OverflowError:
+        return UNBOUNDED_BYTES
+    return min(int(total), UNBOUNDED_BYTES) if math.isfinite(total) else UNBOUNDED_BYTES
+
+
 # -- the transient at a point of the prefill (the in-flight guard and the monitor, ``core/overrun.py``) --
 
 

@@ -12,7 +12,8 @@ projection is the larger of the prompt's prefill and that batch.
 
 Input-token logprobs (``return_logprob`` with ``logprob_start_len`` >= 0) add a row of logits per
 prompt token of a chunk from that position on, and stop the engine from reusing the cache beyond it
-(evidence B3, B4).
+(evidence B3, B4). With ``n`` > 1 each copy then recomputes the prompt from that position, its rows
+included, in the copies' one batch (``cost.project_sample_rows``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sidecar.core.cost import project_own, project_samples, project_shape
+from sidecar.core.cost import project_own, project_sample_rows, project_samples, project_shape
 from sidecar.core.rules import Rules
 from sidecar.core.values import fast_init
 
@@ -106,7 +107,12 @@ def build(
     sequences = prompts * max(1, samples)
     projected = project_shape(rules.cost, prompt_tokens, uncached, chunk, sequences, logprob_tokens)
     if sequences > prompts:
-        projected = max(projected, project_samples(rules.cost, prompt_tokens, prompts, sequences // prompts))
+        copies = sequences // prompts
+        projected = max(projected, project_samples(rules.cost, prompt_tokens, prompts, copies))
+        if logprob_tokens:
+            # Every copy recomputes its rows from logprob_start (B3, B4), not one token each.
+            rows = project_sample_rows(rules.cost, prompt_tokens, prompts, copies, logprob_tokens, chunk)
+            projected = max(projected, rows)
     max_new = max(0, max_new_tokens or 0)
     # Positional, in the fields' order (built per request: issue #27), each named beside it.
     return Demand(
