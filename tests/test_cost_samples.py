@@ -8,9 +8,11 @@ prices are exact and a test can say "equal", not "close".
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from sidecar.core.cost import UNBOUNDED_BYTES, project_samples, project_shape
+from sidecar.core.cost import UNBOUNDED_BYTES, project_sample_rows, project_samples, project_shape
 from sidecar.core.rules import CostModel
 
 MiB = 1 << 20
@@ -77,3 +79,46 @@ def test_a_samples_price_past_float_range_is_unbounded_not_an_error() -> None:
     c = CostModel(0, 0, 0, 0, None, 1.0, chunk_context_bytes=1e305)
     assert project_samples(c, 10_000, 1, 4) == UNBOUNDED_BYTES
     assert project_shape(c, 10_000, 10_000, 8_192) == UNBOUNDED_BYTES
+
+
+# -- the samples' batch with input logprobs (``cost.project_sample_rows``, evidence B3, B4) -----------
+
+
+def with_rows(margin: float = 1.25) -> CostModel:
+    """Every term non-zero, the input-logprob rows included; whole numbers, so prices are exact."""
+    return CostModel(
+        fixed_bytes=64 * MiB,
+        activation_bytes_per_chunk_token=3 * MiB,
+        context_bytes_per_token=700,
+        gather_bytes_per_context_token=1_100,
+        gather_cap_bytes=1 << 40,
+        margin=margin,
+        chunk_context_bytes=13.0,
+        logprob_bytes_per_token=9 * MiB,
+    )
+
+
+def test_copies_with_input_logprobs_recompute_their_rows_each_at_their_prompt_s_context() -> None:
+    """``/generate`` with 2 prompts summing 7 tokens, ``n`` 3, input logprobs over the last 3 tokens:
+    6 copies, each recomputing 3 tokens (3 rows of logits) at its prompt's context, the mean prompt
+    rounded up to a whole token (4), every term the copy's own, the fixed term once, margin on all."""
+    c = with_rows(margin=1.25)
+    ctx, rows = 4, 3
+    per_copy = (
+        3 * MiB * rows  # activations of the copy's recomputed tokens
+        + 700 * ctx  # context temporaries
+        + 13 * rows * ctx  # chunk x context
+        + 1_100 * ctx  # the gather (under its cap)
+        + 9 * MiB * rows  # a row of logits per recomputed token
+    )
+    assert project_sample_rows(c, 7, 2, 3, rows, 8_192) == int((64 * MiB + 6 * per_copy) * 1.25)
+    # One prompt, one copy: the price of that prompt's own recomputed rows (no copy multiplies it).
+    one = project_sample_rows(c, 7, 1, 1, rows, 8_192)
+    assert one == project_shape(c, 7, rows, 8_192, 1, rows)
+    # A prompt of one token still counts one token of context (never a second).
+    assert project_sample_rows(c, 1, 1, 1, 1, 8_192) == project_shape(c, 1, 1, 8_192, 1, 1)
+
+
+def test_copies_with_input_logprobs_past_float_range_are_unbounded() -> None:
+    c = replace(with_rows(margin=1.0), chunk_context_bytes=1e300)
+    assert project_sample_rows(c, 10**9, 1, 4, 8_192, 8_192) == UNBOUNDED_BYTES
