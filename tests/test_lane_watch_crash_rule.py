@@ -428,10 +428,7 @@ def test_an_engine_restart_forgets_the_prompts_its_predecessor_served() -> None:
     w.ended(1, 0.5)
     w.engine_restarted(1.0)
     w.charged(2, "r1", busy, rules.cost, False, charge_bytes=1000 * MIB)
-    snap = replace(
-        snapshot(2.0, running_requests=1),
-        gpu=GpuSignals(2.0, "test", (DeviceMemory("GPU-0", 10 * GIB - 1_300_000_000, 80 * GIB),)),
-    )
+    snap = snapshot(2.0, running_requests=1, free_bytes=10 * GIB - 1_300_000_000, total_bytes=80 * GIB)
     assert w.observe(snap, busy, tiny, 2.0) is True
     seen = 1_300_000_000 / (1000 * MIB) * 1.0123456
     assert w.margin == pytest.approx(seen * 1.05, rel=1e-12)
@@ -446,9 +443,6 @@ def test_a_finding_after_an_engine_restart_names_only_the_new_process_requests()
     w.charged(1, "old", busy, rules.cost, False, charge_bytes=500 * MIB)
     w.engine_restarted(1.0)
     w.charged(2, "new", busy, rules.cost, False, charge_bytes=1000 * MIB)
-    snap = replace(
-        snapshot(2.0, running_requests=1),
-        gpu=GpuSignals(2.0, "test", (DeviceMemory("GPU-0", 10 * GIB - 1_300_000_000, 80 * GIB),)),
-    )
+    snap = snapshot(2.0, running_requests=1, free_bytes=10 * GIB - 1_300_000_000, total_bytes=80 * GIB)
     assert w.observe(snap, busy, rules, 2.0) is True
     assert w.last is not None and w.last.request_ids == ("new",)
