@@ -75,20 +75,31 @@ def decide(demand: Demand, s: Situation) -> Decision:
     rules = s.rules
     if s.draining:
         return Decision(Action.REJECT, Reason.DRAINING, retry_after_s(s, Reason.DRAINING), check="draining")
-    charge = charge_of(demand, rules, s.snapshot)
-    headroom = headroom_bytes(rules, s.snapshot, s.ledger)
-    action, reason, checks, by = _judge(demand, s, charge, headroom)
+    lane = _lane_view(rules, s.snapshot)
+    # ``charge_of`` and ``headroom_bytes``, from the figures they read of the rules and the snapshot.
+    charge = Charge(
+        prefill_tokens=demand.uncached_tokens,
+        kv_tokens=demand.kv_tokens,
+        projected_bytes=demand.projected_bytes,
+        mamba_slots=demand.mamba_slots if lane.has_pool else 0,
+        sequences=demand.sequences,
+    )
+    headroom = None if lane.free is None else lane.free - s.ledger.projected_bytes
+    action, reason, checks, by = _judge(demand, s, lane, charge, headroom)
     if action is not Action.ADMIT and _starts_own_batch(demand, s):
         own = replace(charge, projected_bytes=demand.own_bytes(rules), own_prefills=1)
-        verdict = _judge(demand, s, own, headroom)
+        verdict = _judge(demand, s, lane, own, headroom)
         if verdict[0] is Action.ADMIT:
             (action, reason, checks, by), charge = verdict, own
-    if action is Action.ADMIT and s.queued and rules.experimental.gpu_reading_after_wait:
-        old = _gpu_predates_wait(demand, s)
-        if old is not None:
-            action, reason, checks, by = Action.HOLD, Reason.SIGNALS_STALE, (*checks, old), old.name
-    if action is Action.ADMIT and s.ahead is not None and not rules.hold.backfill:
-        action, reason, by = Action.HOLD, s.ahead, STRICT_ORDER
+    if action is Action.ADMIT:
+        if s.queued and rules.experimental.gpu_reading_after_wait:
+            old = _gpu_predates_wait(demand, s)
+            if old is not None:
+                action, reason, checks, by = Action.HOLD, Reason.SIGNALS_STALE, (*checks, old), old.name
+        if action is Action.ADMIT and s.ahead is not None and not rules.hold.backfill:
+            action, reason, by = Action.HOLD, s.ahead, STRICT_ORDER
+        if action is Action.ADMIT:  # the norm: nothing below applies to an admission
+            return Decision(action, None, None, headroom, checks, charge, by)
     if action is Action.HOLD and s.now >= demand.deadline:
         action, reason = Action.REJECT, Reason.HOLD_TIMEOUT
     elif action is Action.HOLD and not s.queued and s.held >= rules.hold.max_held:
@@ -101,6 +112,112 @@ def decide(demand: Demand, s: Situation) -> Decision:
         by = reason.value
     retry = retry_after_s(s, reason, demand.uncached_tokens) if action is Action.REJECT else None
     return Decision(action, reason, retry, headroom, checks, charge, by)
+
+
+class _LaneView:
+    """What ``decide`` reads of one (rules, snapshot) pair, apart from the clock, the ledger and the
+    request: taken once per pair (``_lane_view``), not per request (issue #27). A snapshot changes only
+    when a poller reads, the rules on a reload or a lesson; a lane decides many requests in between.
+
+    Each figure is what the function named beside it computes from the pair. Where a figure could
+    change the decision's course (an unfit request, a blind signal) ``decide`` calls that function
+    itself, so every check and its numbers stay that function's: the view only says when it need not.
+    """
+
+    __slots__ = (
+        "cap",
+        "context_len",
+        "engine",
+        "engine_blinds",
+        "engine_max_age",
+        "engine_read_at",
+        "free",
+        "gpu_blinds",
+        "gpu_max_age",
+        "gpu_read_at",
+        "gpu_signal",
+        "has_pool",
+        "kv_have",
+        "mamba_have",
+        "rules",
+        "sequences",
+        "snapshot",
+        "unsighted",
+    )
+
+    def __init__(self, rules: Rules, snap: Snapshot) -> None:
+        self.rules, self.snapshot = rules, snap
+        e, m, v = snap.engine, rules.mamba, rules.vram
+        self.engine = e
+        # charge_of: Mamba slots only where the lane has a Mamba pool.
+        self.has_pool = rules.lane.mamba_slots is not None or (e is not None and bool(e.mamba_total_slots))
+        # headroom_bytes before the ledger's share (None: no usable GPU signal).
+        if not v.uses_gpu_signal:
+            self.free: int | None = idle_budget(v, snap.gpu) - v.reserve_bytes
+        elif snap.gpu is None or snap.gpu.free_bytes is None:
+            self.free = None
+        else:
+            self.free = snap.gpu.free_bytes - v.reserve_bytes
+        self.gpu_signal = v.uses_gpu_signal
+        # _fresh(engine_age / gpu_age): max(0, now - read) <= max_age is now - read <= max_age for a
+        # max_age >= 0; a negative one is never fresh (-inf).
+        self.engine_read_at = None if e is None else e.observed_at
+        self.engine_max_age = _fresh_bound(rules.engine)
+        self.gpu_read_at = None if snap.gpu is None else snap.gpu.observed_at
+        self.gpu_max_age = _fresh_bound(rules.gpu)
+        # _blindness: what does not depend on the clock (an unavailable engine, the wait for a GPU
+        # reading after a restart), and which stale signal blinds (the policy does not admit on it).
+        self.unsighted = _sightless(rules, snap) is not None
+        self.engine_blinds = rules.engine.on_stale is not Action.ADMIT
+        self.gpu_blinds = rules.gpu.required and v.uses_gpu_signal and rules.gpu.on_stale is not Action.ADMIT
+        # _unfit: the limits each judge compares with (inf: no such limit). A request over none of
+        # them is fit; one over any is judged by ``_unfit`` itself.
+        running = (e.max_running_requests if e else None) or rules.lane.max_running_requests
+        limits = [x for x in (rules.max_sequences_per_request, running) if x is not None]
+        self.sequences = min(limits, default=math.inf)
+        self.context_len = (e.context_len if e else None) or rules.lane.context_len
+        pool = (e.max_total_tokens if e else None) or rules.lane.kv_pool_tokens
+        self.kv_have = math.inf if pool is None else pool - rules.kv.reserve_tokens
+        slots = (e.mamba_total_slots if e else None) or rules.lane.mamba_slots
+        self.mamba_have = math.inf if slots is None or m is None else slots - m.reserve_slots
+        cap = v.transient_cap()
+        self.cap = math.inf if cap is None else cap
+
+    def maybe_unfit(self, demand: Demand, charge: Charge) -> bool:
+        """False where ``_unfit`` finds nothing for sure: the request is within every limit it reads."""
+        seq, have = demand.sequences, self.kv_have
+        return (
+            seq > self.sequences
+            or seq > have
+            or charge.kv_tokens > have
+            or demand.kv_tokens - demand.uncached_tokens > have
+            or (
+                demand.exact
+                and (
+                    demand.prompt_tokens >= self.context_len
+                    or demand.prompt_tokens + demand.max_new_tokens > self.context_len
+                )
+            )
+            or charge.mamba_slots > self.mamba_have
+            or charge.projected_bytes > self.cap
+        )
+
+
+def _fresh_bound(sr: SignalRules) -> float:
+    return sr.max_age_s if sr.max_age_s >= 0 else -math.inf
+
+
+# The view of the last (rules, snapshot) pair decided on (one entry: the live lane's pair changes
+# seldom; another caller's pair only takes the entry over). Replaced whole, never changed in place.
+_last_view: _LaneView | None = None
+
+
+def _lane_view(rules: Rules, snap: Snapshot) -> _LaneView:
+    global _last_view
+    view = _last_view
+    if view is None or view.rules is not rules or view.snapshot is not snap:
+        view = _last_view = _LaneView(rules, snap)
+    return view
 
 
 def expected_wait_s(s: Situation) -> float | None:
@@ -203,26 +320,32 @@ def idle_budget(v: VramRules, gpu: GpuSignals | None) -> int:
 
 
 def _judge(
-    demand: Demand, s: Situation, charge: Charge, headroom: int | None
+    demand: Demand, s: Situation, lane: _LaneView, charge: Charge, headroom: int | None
 ) -> tuple[Action, Reason | None, tuple[Check, ...], str | None]:
     """Steps 2-4: fit, sight, then the constraints; with the name of the check that decided."""
-    unfit = _unfit(demand, s, charge)
-    if unfit is not None:
-        return Action.REJECT, Reason.UNFIT_REQUEST, (unfit,), unfit.name
-    blind = _blindness(s)
-    if blind is not None:
-        action, reason, check = blind
-        return action, reason, (check,), check.name
-    rules, snap, now = s.rules, s.snapshot, s.now
-    gpu_ok = not rules.vram.uses_gpu_signal or _fresh(snap.gpu_age(now), rules.gpu)
+    if lane.maybe_unfit(demand, charge):
+        unfit = _unfit(demand, s, charge)
+        if unfit is not None:
+            return Action.REJECT, Reason.UNFIT_REQUEST, (unfit,), unfit.name
+    now = s.now
+    read_at = lane.engine_read_at
+    engine_fresh = read_at is not None and now - read_at <= lane.engine_max_age
+    read_at = lane.gpu_read_at
+    gpu_fresh = read_at is not None and now - read_at <= lane.gpu_max_age
+    if lane.unsighted or (lane.engine_blinds and not engine_fresh) or (lane.gpu_blinds and not gpu_fresh):
+        blind = _blindness(s)
+        if blind is not None:
+            action, reason, check = blind
+            return action, reason, (check,), check.name
+    rules, ledger, settles = s.rules, s.ledger, s.join_settles_at
     # Positional, in ``Reading``'s field order (built per decision: issue #27).
     reading = Reading(
         rules,
-        snap.engine if _fresh(snap.engine_age(now), rules.engine) else None,  # engine
-        headroom if gpu_ok else None,  # headroom
-        s.ledger,
+        lane.engine if engine_fresh else None,  # engine
+        headroom if gpu_fresh or not lane.gpu_signal else None,  # headroom
+        ledger,
         charge,
-        join_pending(s),
+        settles is not None and (ledger.requests > 0 or now < settles),  # join_pending(s)
     )
     checks: list[Check] = []
     failed: tuple[Reason, ExceedAction, str] | None = None
@@ -349,7 +472,26 @@ def _gpu_predates_wait(demand: Demand, s: Situation) -> Check | None:
 
 def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:
     """Engine and GPU signals: unavailable, stale, or fine. The policy's choice is applied per signal."""
+    blind = _sightless(s.rules, s.snapshot)
+    if blind is not None:
+        return blind
     rules, snap = s.rules, s.snapshot
+    gpu_rules = rules.gpu if rules.gpu.required and rules.vram.uses_gpu_signal else None
+    for name, age, sr in (
+        ("engine", snap.engine_age(s.now), rules.engine),
+        ("gpu", snap.gpu_age(s.now), gpu_rules),
+    ):
+        if sr is None or _fresh(age, sr) or sr.on_stale is Action.ADMIT:
+            continue  # fresh, or the policy admits blind on this signal (its constraints then pass)
+        age_text = "never read" if age is None else f"{age:.1f}s old"
+        check = Check(Reason.SIGNALS_STALE.value, False, sr.max_age_s, age, f"{name} signals {age_text}")
+        return sr.on_stale, Reason.SIGNALS_STALE, check
+    return None
+
+
+def _sightless(rules: Rules, snap: Snapshot) -> tuple[Action, Reason, Check] | None:
+    """The blindness that does not depend on the clock (so ``_LaneView`` takes it once per snapshot):
+    an unavailable engine, or the wait for a GPU reading after an engine restart."""
     health = snap.engine_health
     if health.consecutive_failures >= rules.engine.unavailable_after_failures:
         note = health.last_error or "engine unreachable"
@@ -358,7 +500,6 @@ def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:
         # Retry-After beyond them. Otherwise (reject, or admit: nothing to admit into) 503 at once.
         action = Action.HOLD if rules.engine.on_stale is Action.HOLD else Action.REJECT
         return action, Reason.ENGINE_UNAVAILABLE, Check(Reason.ENGINE_UNAVAILABLE.value, False, note=note)
-    gpu_rules = rules.gpu if rules.gpu.required and rules.vram.uses_gpu_signal else None
     # After an engine restart, whatever the headroom, a policy that holds when blind waits for the new
     # process's first GPU reading (one poll), which measures its idle figure before anything is let
     # in (``LaneWatch._measure_idle``), not the old process's memory. One that rejects does not turn
@@ -374,15 +515,6 @@ def _blindness(s: Situation) -> tuple[Action, Reason, Check] | None:
     ):
         note = "gpu not read since the engine restarted"
         return rules.gpu.on_stale, Reason.SIGNALS_STALE, Check(Reason.SIGNALS_STALE.value, False, note=note)
-    for name, age, sr in (
-        ("engine", snap.engine_age(s.now), rules.engine),
-        ("gpu", snap.gpu_age(s.now), gpu_rules),
-    ):
-        if sr is None or _fresh(age, sr) or sr.on_stale is Action.ADMIT:
-            continue  # fresh, or the policy admits blind on this signal (its constraints then pass)
-        age_text = "never read" if age is None else f"{age:.1f}s old"
-        check = Check(Reason.SIGNALS_STALE.value, False, sr.max_age_s, age, f"{name} signals {age_text}")
-        return sr.on_stale, Reason.SIGNALS_STALE, check
     return None
 
 
