@@ -203,7 +203,9 @@ class Handle:
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if self.outcome is None:
-            self._owner._end(self, self.outcome_on_exit(exc))
+            # ``outcome_on_exit``'s first answer taken here: a relayed response that left normally.
+            done = exc is None and self._relayed and self.demand is not None
+            self._owner._end(self, Outcome.COMPLETED if done else self.outcome_on_exit(exc))
 
     def on_overrun(self, callback: Callable[[Handle], None]) -> None:
         """What the shell does when the in-flight guard aborts this admitted request before its first
@@ -297,17 +299,23 @@ class Admission:
         return None if oldest is None else self.clock.now() - oldest
 
     def situation(
-        self, *, queued: bool = False, ahead: Reason | None = None, own_tokens: int = 0
+        self,
+        *,
+        queued: bool = False,
+        ahead: Reason | None = None,
+        own_tokens: int = 0,
+        now: float | None = None,
     ) -> Situation:
         """What the decision reads now, besides the request (``own_tokens``: a held request's own,
-        left out of the held total, which the decision counts once as the request's)."""
+        left out of the held total, which the decision counts once as the request's; ``now``: the
+        clock's reading, when the caller has just taken it)."""
         rules, queue = self.rules, self._queue
         # Positional, in ``Situation``'s field order: built once per decision (issue #27).
         return Situation(
             rules,
             self.snapshot,
             self.ledger.totals,
-            self.clock.now(),
+            self.clock.now() if now is None else now,
             queue.live,  # held
             queued,
             ahead,
@@ -486,16 +494,18 @@ class Admission:
             raise RuntimeError("a handle submits once, before it ends")
         h.demand = demand
         h.sort_key = self._sort_key(demand)
-        h.waited_s = self.clock.now() - demand.arrived_at
+        # One reading of the clock: the decision's instant, its wait, and (admitted) its charge's.
+        now = self.clock.now()
+        h.waited_s = now - demand.arrived_at
         ahead = self._ahead_of(h.sort_key) if self._queue.live else None
-        d = decide(demand, self.situation(ahead=ahead))
+        d = decide(demand, self.situation(ahead=ahead, now=now))
         if self.shadow and d.action is not Action.ADMIT:
             # Shadow mode: record what enforcement would have done, then forward anyway.
             self.observer.decision(d, demand, h.waited_s, self.ledger.totals)
             h.shadow_reject = d
             d = Decision(Action.ADMIT, None, None, d.headroom_bytes, d.checks, d.charge)
         if d.action is Action.ADMIT:
-            self._admit(h, d)
+            self._admit(h, d, now)
         elif d.action is Action.REJECT:
             self._reject(h, d)
         else:
@@ -608,13 +618,15 @@ class Admission:
         assert h.demand is not None
         return self.clock.now() - h.demand.arrived_at
 
-    def _admit(self, h: Handle, d: Decision) -> None:
+    def _admit(self, h: Handle, d: Decision, now: float | None = None) -> None:
+        """Charge the admitted request (``now``: the decision's instant, when just read)."""
         demand = h.demand
         assert demand is not None
-        now = self.clock.now()
+        if now is None:
+            now = self.clock.now()
         h.decision, h.waited_s = d, now - demand.arrived_at
         ledger, charge = self.ledger, d.charge
-        if not len(ledger):
+        if not ledger.totals.running_requests:  # the ledger is empty (one running request per entry)
             self.prefill_rate.busy(now)
             if self._quiet:
                 self._busy()
@@ -686,14 +698,16 @@ class Admission:
             self.on_report_wanted()
 
     def _prefill_done(self, h: Handle, measured: bool) -> None:
-        if h._key is not None:
-            self._left_prefill(h._key)
-            self.watch.prefilled(h._key)
-        if h._key is not None and self.ledger.prefill_done(h._key):
+        key = h._key
+        if key is None:
+            return
+        self._left_prefill(key)
+        self.watch.prefilled(key)
+        if self.ledger.prefill_done(key):
             # A stream's first token: it joins the running batch at the engine's next decode step.
-            self._join_moved(
-                joins=measured and self.rules.cost.join_bytes(self.ledger.totals.running_requests) > 0
-            )
+            joins = measured and self.rules.cost.join_bytes(self.ledger.totals.running_requests) > 0
+            if joins or self._join_at is not None or self._join_timer is not None:
+                self._join_moved(joins=joins)  # else nothing pending and nothing to start (the norm)
             if measured and h.decision is not None:
                 self.prefill_rate.prefilled(h.decision.charge.prefill_tokens, self.clock.now())
             if self._queue.live:

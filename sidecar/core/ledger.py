@@ -35,11 +35,9 @@ class Ledger:
         # entry rebuilt there cost a construction per first byte; issue #27).
         self._entries: dict[int, list] = {}
         self._ids = count(1)
-        self._totals = LedgerTotals()
-
-    @property
-    def totals(self) -> LedgerTotals:
-        return self._totals
+        # The sums over the entries: read it, never assign it (a plain attribute, not a property: it is
+        # read several times per gated request; issue #27).
+        self.totals = LedgerTotals()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,7 +45,7 @@ class Ledger:
     def charge(self, charge: Charge) -> int:
         key = next(self._ids)
         self._entries[key] = [charge, True]
-        self._totals = _added(self._totals, charge, prefill=1, running=1)
+        self.totals = _added(self.totals, charge, prefill=1, running=1)
         return key
 
     def prefill_done(self, key: int) -> bool:
@@ -57,7 +55,7 @@ class Ledger:
         if entry is None or not entry[1]:
             return False
         entry[1] = False
-        self._totals = _added(self._totals, entry[0], prefill=-1, running=0)
+        self.totals = _added(self.totals, entry[0], prefill=-1, running=0)
         return True
 
     def release(self, key: int) -> bool:
@@ -65,7 +63,7 @@ class Ledger:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self._totals = _added(self._totals, entry[0], prefill=-1 if entry[1] else 0, running=-1)
+        self.totals = _added(self.totals, entry[0], prefill=-1 if entry[1] else 0, running=-1)
         return True
 
 

@@ -23,10 +23,9 @@ class PrefillRate:
         self._tokens = 0.0
         self._seconds = 0.0
         self._mark: float | None = None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self._tokens / self._seconds if self._seconds > 0 else None
+        # The ratio of the two sums, None before any time was summed: a plain attribute, set whenever
+        # they change (every decision reads it; issue #27).
+        self.tokens_per_s: float | None = None
 
     def busy(self, now: float) -> None:
         self._mark = now
@@ -38,3 +37,4 @@ class PrefillRate:
         self._mark = now
         self._tokens = self.keep * self._tokens + tokens
         self._seconds = self.keep * self._seconds + dt
+        self.tokens_per_s = self._tokens / self._seconds if self._seconds > 0 else None
