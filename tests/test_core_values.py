@@ -17,7 +17,7 @@ from sidecar.core.decide import Situation
 from sidecar.core.decision import Action, Charge, Check, Decision
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
-from sidecar.core.values import ORIGINAL_INIT, fast_init
+from sidecar.core.values import ORIGINAL_INIT, fast_init, positional
 from sidecar.intake.body import GenerationRequest
 from sidecar.intake.tokens import TokenCount
 
@@ -153,3 +153,32 @@ def test_values_built_positionally_keep_their_field_order(cls: type, where: str,
     """These are built positionally on every gated request (cheaper than by keyword): a field added
     or moved must be added or moved there too, or every later field takes its neighbour's value."""
     assert [f.name for f in dataclasses.fields(cls)] == order.split(), f"update {where} (positional)"
+
+
+@pytest.mark.parametrize("cls", [Charge, LedgerTotals], ids=lambda c: c.__qualname__)
+def test_the_positional_builder_builds_what_the_keywords_build(cls: type) -> None:
+    """``values.positional``: every field, in declaration order, lands in its own slot; the value is
+    the one ``cls(**fields)`` builds (equal, frozen, hashable alike, picklable); a field short fails."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    build = positional(cls)
+    values = [_marker(n) for n in names]
+    fast = build(*values)
+    assert type(fast) is cls
+    assert fast == cls(**dict(zip(names, values, strict=True)))
+    assert [getattr(fast, n) for n in names] == values
+    assert hash(fast) == hash(cls(**dict(zip(names, values, strict=True))))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(fast, names[0], 1)
+    assert pickle.loads(pickle.dumps(fast)) == fast
+    with pytest.raises(TypeError):
+        build(*values[:-1])
+
+
+def test_the_positional_builder_refuses_a_value_set_after_init() -> None:
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Later:
+        a: int
+        b: int = dataclasses.field(default=0, init=False)
+
+    with pytest.raises(TypeError, match="Later"):
+        positional(Later)
