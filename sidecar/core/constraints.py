@@ -236,8 +236,9 @@ class WorkAhead:
         return self.section(rules).on_exceed
 
     def check(self, demand: Demand, r: Reading) -> Check:
-        reported = self.reported(r.engine) if r.engine else None
-        ahead = max(reported or 0, self.share(r.ledger))
+        reported = (self.reported(r.engine) if r.engine else None) or 0
+        booked = self.share(r.ledger)
+        ahead = booked if booked > reported else reported  # max(reported, booked): no builtin call
         need = ahead + self.share(r.charge)
         limit = self.section(r.rules).limit
         return Check(self.reason._value_, ahead == 0 or need <= limit, need, limit)

@@ -188,7 +188,8 @@ def final_bytes(d: Demand, cost: CostModel) -> int:
     ``cost`` (``project_at_progress`` grows with the progress to it), or as priced at its admission
     when that is larger. What the monitor expects from a prefill that ended (``LaneWatch.left``)."""
     at_end = project_at_progress(cost, d.prompt_tokens, d.uncached_tokens, d.chunk_size, d.prompt_tokens, 0)
-    return max(d.projected_bytes, at_end)
+    # max(projected, at_end), without a builtin call: this runs at every gated request's first byte.
+    return at_end if at_end > d.projected_bytes else d.projected_bytes
 
 
 class PrefillProgress:
@@ -238,7 +239,9 @@ class PrefillProgress:
     def admitted(self, key: int, uncached: int) -> None:
         """A prefill was admitted (``key`` larger than any in flight): it comes after them all."""
         self._uncached[key] = uncached
-        share = min(max(0, uncached), self._spare)
+        # min(max(0, uncached), spare), without builtin calls: this runs at every admission.
+        u, spare = (uncached if uncached > 0 else 0), self._spare
+        share = spare if spare < u else u
         self._share[key] = share
         self._spare -= share
 
@@ -304,7 +307,7 @@ class PrefillProgress:
             share = min(max(0, u), max(0, counted))
             self._share[key] = share
             counted -= share
-        self._spare = max(0, counted)
+        self._spare = counted if counted > 0 else 0  # max(0, counted)
 
 
 def _mib(n: int) -> str:
