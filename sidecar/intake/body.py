@@ -46,7 +46,7 @@ from typing import Any
 
 import orjson
 
-from sidecar.core.values import fast_init
+from sidecar.core.values import fast_init, positional
 from sidecar.intake.idscan import CountedIds, JsonText, find_ids, find_text
 from sidecar.policy.priority import OPEN, PriorityBounds
 
@@ -189,6 +189,11 @@ class GenerationRequest:
     prefix_key: str | None = None
     declared_cached_tokens: int | None = None
     body_obj: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+# Every field positionally, in their order: ~4k instructions against ~17k for GenerationRequest(...)
+# (core.values.positional); once per gated request.
+_make_request = positional(GenerationRequest)
 
 
 @functools.lru_cache(maxsize=256)
@@ -809,7 +814,7 @@ def _request(
     """The request of ``_from_object``'s common fields and a shape's own, built positionally in the
     fields' order: per request, and a 23-field keyword call cost ~1.7x (issue #27).
     ``tests/test_body_request.py`` checks the order field by field."""
-    return GenerationRequest(
+    return _make_request(
         common["path"],
         common["kind"],
         common["stream"],
@@ -949,7 +954,7 @@ def _plain_generate(
     else:
         return None
     # Positional, in the fields' order (``_request``'s).
-    return GenerationRequest(
+    return _make_request(
         path, kind, stream, max_new, bounds.resolve(None, None), rid, rids, None, text, None, None, None,
         (), (), None, 1, samples, None, 0, None, None, None, obj,
     )  # fmt: skip
@@ -997,7 +1002,7 @@ def _plain_openai(
     samples = n or 1
     if best_of is not None and best_of > samples:
         samples = best_of
-    return GenerationRequest(
+    return _make_request(
         path, kind, stream, max_new, bounds.resolve(None, None), rid, () if rid is None else (rid,), model,
         text, None, messages, tools, (), (), None, 1, samples, None, 0, None, None, None, obj,
     )  # fmt: skip

@@ -60,7 +60,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from sidecar.core.values import fast_init
+from sidecar.core.values import fast_init, positional
 from sidecar.intake.body import GenerationRequest
 from sidecar.intake.idscan import JsonText
 
@@ -91,6 +91,10 @@ class TokenCount:
     tokens: int
     exact: bool
     method: str
+
+
+# The common count's constructor, positional (core.values.positional: ~1.5x cheaper than TokenCount(...)).
+_make_count = positional(TokenCount)
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,7 +431,7 @@ class PromptCounter:
             if type(text) is str:  # the common prompt: one text
                 size = len(text) if text.isascii() else _utf8_len(text)
                 tokens = math.ceil(size / self._bytes_per_token) + req.media_items * self._per_media
-                return TokenCount(tokens, False, "bytes")
+                return _make_count(tokens, False, "bytes")
             if req.messages is not None:
                 parts = self._chat_parts(req)
                 tokens = self._bytes_bound(parts.texts) + parts.overhead + parts.media * self._per_media
