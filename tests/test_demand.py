@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -251,3 +252,54 @@ def test_reprice_keeps_where_input_logprobs_start() -> None:
     again = demand.reprice(after, d)
     assert (again.logprob_start, again.cached_tokens) == (4_500, 2_000)
     assert again.projected_bytes == 1_000 * 1024 + 500 * 3000
+
+
+@pytest.mark.parametrize("chunk", [None, -1, 4096])
+@pytest.mark.parametrize("exact", [True, False])
+def test_demand_of_passes_each_figure_to_its_argument(
+    clock: ManualClock, chunk: int | None, exact: bool
+) -> None:
+    """``demand_of`` calls ``demand.price`` positionally (per request, cheaper than ``build``'s keywords):
+    every figure of the request must land in its own argument, as ``build`` by name would put it."""
+    a = Admission(small_policy(**LANE), clock)
+    engine = snapshot(clock()).engine
+    assert engine is not None
+    state = Snapshot(engine=replace(engine, chunked_prefill_size=chunk) if chunk else None)
+    body = {
+        "text": ["a", "b"],
+        "sampling_params": [{"max_new_tokens": 300, "n": 3}, {"max_new_tokens": 200}],
+        "priority": 5,
+        "return_logprob": True,
+        "logprob_start_len": 900,
+        "emulator": {"prompt_tokens": 7000, "cached_tokens": 1234},
+    }
+    req = parse_generation(
+        "/generate", json.dumps(body).encode(), max_body_bytes=1 << 20, accept_emulator=True
+    )
+    count = TokenCount(7000, exact, "declared")
+    got = demand_of(a.rules, state, req, count, now=42.0, request_id="rid-1")
+    want = demand.build(
+        a.rules,
+        7000,
+        arrived_at=42.0,
+        exact=exact,
+        cached_tokens=1234,
+        max_new_tokens=300,
+        prompts=2,
+        samples=3,
+        priority=5,
+        chunk=chunk if state.engine else None,
+        request_id="rid-1",
+        logprob_start=900,
+    )
+    assert got == want
+    assert (got.prompts, got.sequences, got.cached_tokens, got.priority, got.logprob_start) == (
+        2,
+        6,
+        900,
+        5,
+        900,
+    )
+    # Without a budget: SGLang's default for the route, as before.
+    plain = parse_generation("/generate", b'{"text": "a"}', max_body_bytes=1 << 20)
+    assert demand_of(a.rules, state, plain, count, now=1.0).max_new_tokens == 128

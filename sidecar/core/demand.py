@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from sidecar.core.cost import project_own, project_sample_rows, project_samples, project_shape
 from sidecar.core.rules import Rules
-from sidecar.core.values import fast_init
+from sidecar.core.values import fast_init, positional
 
 
 @fast_init
@@ -85,17 +85,57 @@ def build(
     own_schedule: bool = False,
     logprob_start: int | None = None,
 ) -> Demand:
-    if not exact:
+    """The demand of a request of ``prompt_tokens`` (summed over its ``prompts``), each prompt run as
+    ``samples`` sequences; ``chunk``: the engine's chunked-prefill size (None: the lane's)."""
+    return price(
+        rules,
+        prompt_tokens,
+        arrived_at,
+        exact,
+        cached_tokens,
+        max_new_tokens,
+        prompts,
+        samples,
+        priority,
+        chunk,
+        request_id,
+        own_schedule,
+        logprob_start,
+    )
+
+
+def price(
+    rules: Rules,
+    prompt_tokens: int,
+    arrived_at: float,
+    exact: bool,
+    cached_tokens: int,
+    max_new_tokens: int | None,
+    prompts: int,
+    samples: int,
+    priority: int | None,
+    chunk: int | None,
+    request_id: str,
+    own_schedule: bool,
+    logprob_start: int | None,
+) -> Demand:
+    """:func:`build`, every argument positional: once per gated request (``intake.demand.demand_of``),
+    where a 12-keyword call cost more than the arithmetic (issue #27)."""
+    # Conditions, not min()/max(): the same figures for a fraction of the calls.
+    lane = rules.lane
+    if not exact and prompt_tokens > lane.context_len:
         # An over-estimate beyond the context would hold the request for ever (no pool is that big);
         # a prompt really that long is refused by the engine itself with a 400, before any prefill.
-        prompt_tokens = min(prompt_tokens, rules.lane.context_len)
+        prompt_tokens = lane.context_len
     if chunk is None:
-        chunk = rules.lane.chunked_prefill_size
+        chunk = lane.chunked_prefill_size
     elif chunk <= 0:
         # The engine's -1 (SGLang reads any size <= 0 so): chunked prefill off, the whole uncached
         # prompt in one extend step (evidence MTC1). A chunk as long as any prompt the lane takes.
-        chunk = max(prompt_tokens, rules.lane.context_len)
-    cached = min(max(0, cached_tokens), prompt_tokens)
+        chunk = max(prompt_tokens, lane.context_len)
+    cached = cached_tokens if cached_tokens > 0 else 0
+    if cached > prompt_tokens:
+        cached = prompt_tokens
     logprob_tokens = 0
     if logprob_start is not None:
         logprob_start = max(0, logprob_start)
@@ -103,8 +143,9 @@ def build(
         cached = min(cached, logprob_start)
         logprob_tokens = max(1, prompt_tokens - logprob_start)
     uncached = prompt_tokens - cached
-    prompts = max(1, prompts)
-    sequences = prompts * max(1, samples)
+    if prompts < 1:
+        prompts = 1
+    sequences = prompts * samples if samples > 1 else prompts
     projected = project_shape(rules.cost, prompt_tokens, uncached, chunk, sequences, logprob_tokens)
     if sequences > prompts:
         copies = sequences // prompts
@@ -113,9 +154,9 @@ def build(
             # Every copy recomputes its rows from logprob_start (B3, B4), not one token each.
             rows = project_sample_rows(rules.cost, prompt_tokens, prompts, copies, logprob_tokens, chunk)
             projected = max(projected, rows)
-    max_new = max(0, max_new_tokens or 0)
-    # Positional, in the fields' order (built per request: issue #27), each named beside it.
-    return Demand(
+    max_new = max_new_tokens if max_new_tokens is not None and max_new_tokens > 0 else 0
+    # Every field, positionally in their order (``_make_demand``), each named beside it.
+    return _make_demand(
         request_id,
         prompts,
         sequences,
@@ -125,7 +166,7 @@ def build(
         uncached,  # uncached_tokens
         max_new,  # max_new_tokens
         uncached + math.ceil(rules.kv.decode_reserve_fraction * max_new * sequences),  # kv_tokens
-        _mamba_slots(rules, prompt_tokens, prompts, sequences),  # mamba_slots
+        0 if rules.mamba is None else _mamba_slots(rules, prompt_tokens, prompts, sequences),  # mamba_slots
         projected,  # projected_bytes
         chunk,  # chunk_size
         priority or 0,  # priority
@@ -134,6 +175,9 @@ def build(
         own_schedule,
         logprob_start,
     )
+
+
+_make_demand = positional(Demand)
 
 
 def _mamba_slots(rules: Rules, prompt_tokens: int, prompts: int, sequences: int) -> int:

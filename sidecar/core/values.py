@@ -66,23 +66,45 @@ def fast_init(cls: type[T]) -> type[T]:
 
 
 def positional(cls: type[T]) -> Any:
-    """A builder of ``cls`` (a frozen dataclass with slots, every field set by ``__init__``, no
-    ``__post_init__``) from every field's value, positionally, in field order: for a keyword-only
-    value built on every gated request (the ledger's totals, a decision's charge), where passing
-    nine fields by keyword costs about half as much again as setting them (issue #27). It builds what
-    ``cls(**fields)`` builds (``tests/test_core_values.py``); a field added to ``cls`` makes every
-    call that does not pass it fail loudly (too few arguments)."""
+    """A function that builds a ``cls`` (a frozen dataclass with ``slots=True``, every field set by
+    ``__init__``, no ``__post_init__``) from every field's value, positionally in the fields' order,
+    for the few values built on every gated request whose every field the caller has at hand
+    (issue #27). It builds what ``cls(**fields)`` builds; a field added to ``cls`` makes every call
+    that does not pass it fail loudly (too few arguments).
+
+    Why it is cheaper: a frozen class refuses ``self.x = v``, so its ``__init__`` must call each
+    slot's descriptor. Where ``cls`` declares every field in its own ``__slots__`` (no base fields),
+    this fills an instance of a twin class with the same slots and no ``__setattr__`` of its own (a
+    plain slot store per field), then makes it a ``cls`` by ``__class__`` assignment, which CPython
+    allows between classes of identical layout: ~5x cheaper than a keyword ``__init__`` (a 9-field
+    value, 4.4k against 13.9k instructions for a 17-field value, evidence QK1). A class with base fields (its layout spans two
+    classes, which a twin cannot copy) is filled through each slot's descriptor, bound once: ~2x
+    cheaper. Either way the result is an ordinary ``cls``: equal, hashable, frozen and picklable
+    (``tests/test_core_values_positional.py``, ``tests/test_core_values.py``)."""
     params = dataclasses.fields(cls)  # type: ignore[arg-type]
-    if not cls.__dataclass_params__.frozen or "__slots__" not in cls.__dict__:
+    names = [f.name for f in params]
+    if not cls.__dataclass_params__.frozen or "__slots__" not in cls.__dict__:  # type: ignore[attr-defined]
         raise TypeError(f"positional: {cls.__name__} is not a frozen dataclass with slots")
     if hasattr(cls, "__post_init__") or not all(f.init for f in params):
         raise TypeError(f"positional: {cls.__name__} sets a field after __init__")
-    ns: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
-    for f in params:
-        ns[f"_set_{f.name}"] = next(k.__dict__[f.name] for k in cls.__mro__ if f.name in k.__dict__).__set__
-    body = "".join(f"    _set_{f.name}(self, {f.name})\n" for f in params)
-    args = ", ".join(f.name for f in params)
-    exec(f"def build({args}):\n    self = _new(_cls)\n{body}    return self\n", ns)
-    build = ns["build"]
-    build.__qualname__ = f"positional({cls.__qualname__})"
-    return build
+    args = ", ".join(names)
+    ns: dict[str, Any] = {"_cls": cls}
+    if tuple(cls.__dict__["__slots__"]) == tuple(names):
+        ns["_twin"] = type(
+            f"_{cls.__name__}Fill", (), {"__slots__": tuple(names), "__module__": cls.__module__}
+        )
+        body = "".join(f"    o.{n} = {n}\n" for n in names)
+        exec(f"def make({args}):\n    o = _twin()\n{body}    o.__class__ = _cls\n    return o\n", ns)
+    else:
+        ns["_new"] = object.__new__
+        for n in names:
+            ns[f"_set_{n}"] = next(k.__dict__[n] for k in cls.__mro__ if n in k.__dict__).__set__
+        body = "".join(f"    _set_{n}(o, {n})\n" for n in names)
+        exec(f"def make({args}):\n    o = _new(_cls)\n{body}    return o\n", ns)
+    make = ns["make"]
+    make.__qualname__ = make.__name__ = f"make_{cls.__name__}"
+    make.__module__ = cls.__module__
+    make.__doc__ = (
+        f"A {cls.__name__} from every field's value, in the fields' order (core.values.positional)."
+    )
+    return make

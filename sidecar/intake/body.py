@@ -46,7 +46,7 @@ from typing import Any
 
 import orjson
 
-from sidecar.core.values import fast_init
+from sidecar.core.values import fast_init, positional
 from sidecar.intake.idscan import CountedIds, JsonText, find_ids, find_text
 from sidecar.policy.priority import OPEN, PriorityBounds
 
@@ -191,6 +191,11 @@ class GenerationRequest:
     body_obj: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
+# Every field positionally, in their order: ~4k instructions against ~17k for GenerationRequest(...)
+# (core.values.positional); once per gated request.
+_make_request = positional(GenerationRequest)
+
+
 @functools.lru_cache(maxsize=256)
 def endpoint_kind(path: str) -> str | None:
     """Which request shape a path carries: ``generate``, ``completions``, ``chat`` or None.
@@ -237,21 +242,30 @@ def parse_generation(
     Parsing a 32 MB body takes tens of milliseconds; a proxy that must not stall its event loop for
     that long can call this through ``asyncio.to_thread`` (it is pure and thread-safe).
     """
+    size = len(body)
+    if size < LIFT_IDS_BYTES and size <= max_body_bytes:
+        # A small body (every ordinary request): decoded whole, and if it is a plain one of its shape
+        # (``_PLAIN``), read in one pass that checks exactly what the general path would accept.
+        try:
+            obj = _loads(body)
+        except JSONDecodeError:
+            obj = _load_object(body, max_body_bytes)  # the standard parser's turn, or its error
+        if type(obj) is not dict:
+            obj = _load_object(body, max_body_bytes)  # raises "body must be a JSON object"
+        kind = shape or endpoint_kind(path) or _kind_from_keys(obj)
+        if not headers and kind in _PLAIN:
+            rare, plain = _PLAIN[kind]
+            if rare.isdisjoint(obj) and (req := plain(path, kind, obj, priority)) is not None:
+                return req
+        return _from_object(path, kind, obj, headers, accept_emulator=accept_emulator, bounds=priority)
     # Only a lifted body holds a CountedIds or JsonText (an ordinary JSON body cannot).
-    obj = _lifted(body) if LIFT_IDS_BYTES <= len(body) <= max_body_bytes else None
+    obj = _lifted(body) if LIFT_IDS_BYTES <= size <= max_body_bytes else None
     lifted = obj is not None
     if obj is None:
         obj = _load_object(body, max_body_bytes)
     kind = shape or endpoint_kind(path) or _kind_from_keys(obj)
     if lifted and kind not in ("generate", "embedding"):
         obj = _load_object(body, max_body_bytes)  # a shape that reads input_ids otherwise, if at all
-    if kind is None:
-        raise BadRequest(
-            400,
-            f'cannot tell the request shape of {path}: the body has none of "text", "input_ids", '
-            '"input_embeds", "prompt" or "messages"',
-            "missing_prompt",
-        )
     return _from_object(path, kind, obj, headers, accept_emulator=accept_emulator, bounds=priority)
 
 
@@ -297,6 +311,8 @@ def parse_explain(
 
 
 _MISSING: Any = object()
+_loads = orjson.loads
+JSONDecodeError = orjson.JSONDecodeError
 
 
 def _fast_loads(body: bytes) -> Any:
@@ -653,15 +669,17 @@ def _check_messages(value: object) -> list[Any]:
             400, 'field "messages" is empty; a chat needs at least one message', "empty_prompt", "messages"
         )
     for index, message in enumerate(value):
-        where = f"messages[{index}]"
         if not isinstance(message, dict):
-            raise _wrong(where, "a message object", message)
+            raise _wrong(f"messages[{index}]", "a message object", message)
         role = message.get("role")
+        content = message.get("content")
+        if isinstance(role, str) and (content is None or isinstance(content, str)):
+            continue  # the common message: `where` is written only for one with parts, or a wrong one
+        where = f"messages[{index}]"
         if not isinstance(role, str):
             if role is None:
                 raise BadRequest(400, f'field "{where}.role" is missing', "invalid_field", f"{where}.role")
             raise _wrong(f"{where}.role", "a string", role)
-        content = message.get("content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
@@ -683,13 +701,20 @@ def _check_messages(value: object) -> list[Any]:
 
 def _from_object(
     path: str,
-    kind: str,
+    kind: str | None,
     obj: dict[str, Any],
     headers: Mapping[str, str] | None,
     *,
     accept_emulator: bool,
     bounds: PriorityBounds = OPEN,
 ) -> GenerationRequest:
+    if kind is None:
+        raise BadRequest(
+            400,
+            f'cannot tell the request shape of {path}: the body has none of "text", "input_ids", '
+            '"input_embeds", "prompt" or "messages"',
+            "missing_prompt",
+        )
     declared, prefix_key, cached = _emulator(obj, accept_emulator)
     common: dict[str, Any] = {
         "path": path,
@@ -789,7 +814,7 @@ def _request(
     """The request of ``_from_object``'s common fields and a shape's own, built positionally in the
     fields' order: per request, and a 23-field keyword call cost ~1.7x (issue #27).
     ``tests/test_body_request.py`` checks the order field by field."""
-    return GenerationRequest(
+    return _make_request(
         common["path"],
         common["kind"],
         common["stream"],
@@ -877,6 +902,123 @@ def _openai(obj: dict[str, Any], kind: str, common: dict[str, Any], declared: bo
         _opt_int(obj, "n", "n", minimum=1) or 1, _opt_int(obj, "best_of", "best_of", minimum=1) or 1
     )
     return _request(common, max_new, rid, rids, model, prompt, messages, tools, None, samples, None, 0)
+
+
+# --- plain bodies --------------------------------------------------------------------------------
+#
+# Most gated bodies are plain: one text prompt (chat: a list of messages), an output budget, maybe
+# `stream`, `model`, `n`, a string `rid`. ``parse_generation`` reads such a body here, in one pass, and
+# every other body through ``_from_object``. A plain reader *accepts only*: it returns the request
+# ``_from_object`` would return, or None on anything it does not take as is (a float budget, a batch, a
+# wrong type, ...), and then ``_from_object`` reads the body from the start and says what is wrong.
+# Every check that can refuse a plain body runs in ``_from_object``'s order, so the first error is the
+# same (``tests/test_body_plain.py`` compares both paths on the fuzzer's bodies). The keys in each
+# reader's ``rare`` set (and a priority header) send a body to ``_from_object`` without a look.
+
+
+def _plain_stream(obj: dict[str, Any]) -> bool | None:
+    stream = obj.get("stream")
+    if stream is None:
+        return False
+    return stream if type(stream) is bool else None
+
+
+def _plain_generate(
+    path: str, kind: str, obj: dict[str, Any], bounds: PriorityBounds
+) -> GenerationRequest | None:
+    """``_generate`` for a body with a non-empty string ``text``, a ``sampling_params`` object (or
+    none) and none of ``_GENERATE_RARE``."""
+    stream = _plain_stream(obj)
+    text = obj.get("text")
+    if stream is None or type(text) is not str or not text:
+        return None
+    max_new = None
+    samples = 1
+    params = obj.get("sampling_params")
+    if params is not None:
+        if type(params) is not dict:
+            return None
+        max_new = params.get("max_new_tokens")
+        if max_new is not None and not (type(max_new) is int and 0 <= max_new <= MAX_INT):
+            return None
+        n = params.get("n")
+        if n is not None:
+            if not (type(n) is int and 1 <= n <= MAX_INT):
+                return None
+            samples = n
+    rid = obj.get("rid")
+    if rid is None:
+        rids: tuple[str, ...] = ()
+    elif type(rid) is str:
+        rids = (rid,)
+    else:
+        return None
+    # Positional, in the fields' order (``_request``'s).
+    return _make_request(
+        path, kind, stream, max_new, bounds.resolve(None, None), rid, rids, None, text, None, None, None,
+        (), (), None, 1, samples, None, 0, None, None, None, obj,
+    )  # fmt: skip
+
+
+def _plain_openai(
+    path: str, kind: str, obj: dict[str, Any], bounds: PriorityBounds
+) -> GenerationRequest | None:
+    """``_openai`` for a body with a non-empty string ``prompt`` (completions) or a list of messages
+    (chat), integer budgets, a string ``model`` and ``rid`` (or none), and none of ``_OPENAI_RARE``."""
+    stream = _plain_stream(obj)
+    if stream is None:
+        return None
+    text = messages = tools = None
+    if kind == "chat":
+        messages = obj.get("messages")
+        if type(messages) is not list or not messages:
+            return None
+        _check_messages(messages)  # refuses as _openai would: every check before it has passed
+        tools = obj.get("tools")
+        if tools is not None:
+            if type(tools) is not list:
+                return None
+            tools = tools or None
+    else:
+        text = obj.get("prompt")
+        if type(text) is not str or not text:
+            return None
+    max_new = obj.get("max_completion_tokens")
+    if max_new is None:
+        max_new = obj.get("max_tokens")
+    if max_new is not None and not (type(max_new) is int and 0 <= max_new <= MAX_INT):
+        return None
+    rid = obj.get("rid")
+    model = obj.get("model")
+    n = obj.get("n")
+    best_of = obj.get("best_of")
+    if (
+        not (rid is None or type(rid) is str)
+        or not (model is None or type(model) is str)
+        or not (n is None or (type(n) is int and 1 <= n <= MAX_INT))
+        or not (best_of is None or (type(best_of) is int and 1 <= best_of <= MAX_INT))
+    ):
+        return None
+    samples = n or 1
+    if best_of is not None and best_of > samples:
+        samples = best_of
+    return _make_request(
+        path, kind, stream, max_new, bounds.resolve(None, None), rid, () if rid is None else (rid,), model,
+        text, None, messages, tools, (), (), None, 1, samples, None, 0, None, None, None, obj,
+    )  # fmt: skip
+
+
+# What a plain reader leaves to ``_from_object``: the emulator extension and a body priority (both
+# paths), and for /generate the other prompt forms, input logprobs and media.
+_COMMON_RARE = frozenset({"emulator", "priority"})
+_GENERATE_RARE = _COMMON_RARE | {"input_embeds", "input_ids", "logprob_start_len", *_MEDIA_KEYS}
+_OPENAI_RARE = _COMMON_RARE
+_PLAIN: dict[str | None, tuple[frozenset[str], Any]] = {
+    "generate": (_GENERATE_RARE, _plain_generate),
+    "embedding": (_GENERATE_RARE, _plain_generate),
+    "completions": (_OPENAI_RARE, _plain_openai),
+    "chat": (_OPENAI_RARE, _plain_openai),
+}
 
 
 # Routes beyond the three generation APIs: where each body keeps its prompt and its output budget.

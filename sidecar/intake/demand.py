@@ -65,18 +65,23 @@ def demand_of(
     when it has one, else the lane's.
     """
     e = snapshot.engine
-    context_len = (e.context_len if e else None) or rules.lane.context_len
-    return demand.build(
+    budget = req.max_new_tokens
+    if budget is None:
+        context_len = (e.context_len if e else None) or rules.lane.context_len
+        budget = output_budget(req, count.tokens, count.exact, context_len)
+    # Positional (``demand.price``: ``demand.build``'s arguments in its order), once per request.
+    return demand.price(
         rules,
         count.tokens,
-        arrived_at=now,
-        exact=count.exact,
-        cached_tokens=req.declared_cached_tokens or 0,
-        max_new_tokens=output_budget(req, count.tokens, count.exact, context_len),
-        prompts=req.n_texts,
-        samples=req.parallel_samples,
-        logprob_start=req.logprob_start,
-        priority=req.priority,
-        chunk=e.chunked_prefill_size if e else None,
-        request_id=request_id,
+        now,  # arrived_at
+        count.exact,
+        req.declared_cached_tokens or 0,  # cached_tokens
+        budget,  # max_new_tokens
+        req.n_texts,  # prompts
+        req.parallel_samples,  # samples
+        req.priority,
+        e.chunked_prefill_size if e else None,  # chunk
+        request_id,
+        False,  # own_schedule
+        req.logprob_start,
     )

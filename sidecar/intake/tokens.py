@@ -60,7 +60,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from sidecar.core.values import fast_init
+from sidecar.core.values import fast_init, positional
 from sidecar.intake.body import GenerationRequest
 from sidecar.intake.idscan import JsonText
 
@@ -91,6 +91,10 @@ class TokenCount:
     tokens: int
     exact: bool
     method: str
+
+
+# The common count's constructor, positional (core.values.positional: ~1.5x cheaper than TokenCount(...)).
+_make_count = positional(TokenCount)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +258,15 @@ class PromptCounter:
         self.engine_tokenizer_source: str | None = None  # the file adopted from /server_info, if any
         self._engine_tokenize = engine_tokenize
         self._engine_missing = False
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """What ``count_now`` reads on every request, re-read here whenever a source of it changes
+        (the configuration, a tokenizer, the engine's /tokenize): whether the bytes bound is the only
+        count there is (no tokenizer, no engine to ask), and the bound's figures."""
+        self._bytes_only = self._tokenizer is None and not self.engine_tokenize_available
+        self._bytes_per_token = self._config.bytes_per_token
+        self._per_media = self._config.tokens_per_media_item
 
     @property
     def config(self) -> CounterConfig:
@@ -278,6 +291,7 @@ class PromptCounter:
         """Install ``config`` and its already-loaded tokenizer (None: the policy names none)."""
         self._config = config
         self._policy_tokenizer = tokenizer
+        self._refresh()
 
     @property
     def _tokenizer(self) -> Tokenizer | None:
@@ -310,6 +324,7 @@ class PromptCounter:
                 log.warning("engine's model tokenizer unusable (%s); counting without it", exc)
                 continue
             self._engine_tokenizer, self.engine_tokenizer_source = tokenizer, str(found)
+            self._refresh()
             log.info("counting prompt tokens with %s (the engine's model, from /server_info)", found)
             return self.engine_tokenizer_source
         return None
@@ -326,6 +341,7 @@ class PromptCounter:
     def reset_engine_tokenize(self) -> None:
         """Ask the engine again, e.g. after it restarted with a new version (``/server_info`` changed)."""
         self._engine_missing = False
+        self._refresh()
 
     def bound(self, req: GenerationRequest) -> TokenCount | None:
         """A strict upper bound on the prompt's tokens, when counting exactly would cost a tokenizer pass.
@@ -408,6 +424,18 @@ class PromptCounter:
             return TokenCount(len(req.prompt_token_ids), True, "input_ids")
         if req.batch_token_ids:
             return TokenCount(sum(len(ids) for ids in req.batch_token_ids), True, "input_ids")
+        if self._bytes_only:
+            # No tokenizer, no engine: the bytes bound is what count() would answer, and bound() is
+            # None (nothing to save), so `admits` is not asked.
+            text = req.prompt_text
+            if type(text) is str:  # the common prompt: one text
+                size = len(text) if text.isascii() else _utf8_len(text)
+                tokens = math.ceil(size / self._bytes_per_token) + req.media_items * self._per_media
+                return _make_count(tokens, False, "bytes")
+            if req.messages is not None:
+                parts = self._chat_parts(req)
+                tokens = self._bytes_bound(parts.texts) + parts.overhead + parts.media * self._per_media
+                return TokenCount(tokens, False, "bytes")
         if admits is not None and (upper := self.bound(req)) is not None and admits(upper):
             return upper
         if req.messages is not None or self._tokenizer is not None or self.engine_tokenize_available:
@@ -509,6 +537,7 @@ class PromptCounter:
         if answer is None:
             log.info("engine has no /tokenize; not asking again until reset")
             self._engine_missing = True
+            self._refresh()
             return None
         if isinstance(answer, bool) or not isinstance(answer, int) or answer < 0:
             log.warning("engine /tokenize answered %r, not a count; falling back", answer)
