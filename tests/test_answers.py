@@ -27,7 +27,7 @@ UNFIT_LANE = dict(vram__max_transient_bytes="500KiB")
 
 
 def rejected(app) -> int:  # type: ignore[no-untyped-def]
-    return app.admission.observer.inner._outcomes["rejected"]._value.get()  # the counter itself
+    return app.admission.observer.inner._outcomes["rejected"].n  # the counter itself
 
 
 @asynccontextmanager
