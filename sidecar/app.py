@@ -99,7 +99,6 @@ class SidecarApp:
             self.admission.refresh_rules()  # the rules in force with what was restored
         self._context_cache: tuple[Any, ...] | None = None
         self.telemetry.context = self._log_context
-        self._json_cache: tuple[Any, ...] | None = None
         self.telemetry.context_json = self._log_context_json
         self.counter = PromptCounter(_counter_config(policy), engine_tokenize=self._engine_tokenize)
         self.trust_emulator_sizes = trust_emulator_sizes
@@ -433,15 +432,16 @@ class SidecarApp:
         return self.admission.evaluate(probe).admitted
 
     def _log_context(self) -> dict[str, Any]:
-        """The decision log's view of the lane at this decision. What a snapshot carries is taken once
-        per snapshot (``_snapshot_context``); only the queue length and the signals' ages are read per
-        decision (issue #27: the whole record was rebuilt per request)."""
+        """The decision log's view of the lane at this decision, as a dict: for the process's log
+        pipeline (no ``--decision-log`` file) and a record orjson refuses. What a snapshot carries is
+        taken once per snapshot (``_snapshot_context``); only the queue length and the signals' ages
+        are read per decision (issue #27: the whole record was rebuilt per request)."""
         a = self.admission
         snap, now = a.snapshot, self.clock()
         cached = self._context_cache
         if cached is None or cached[0] is not snap or cached[1] is not a.loaded or cached[2] != a.shadow:
-            cached = self._context_cache = (snap, a.loaded, a.shadow, *_snapshot_context(a, snap))
-        _, _, _, head, engine, gpu = cached
+            cached = self._snapshot_parts(a, snap)
+        _, _, _, head, engine, gpu, _ = cached
         e, g = snap.engine, snap.gpu
         # One dict display per part, no copy updated in place; an age below 0 (a reading stamped after
         # ``now``) is 0.0, as ``max(0.0, age)`` gave.
@@ -451,40 +451,40 @@ class SidecarApp:
         if g is not None:
             age = now - g.observed_at
             gpu = {**gpu, "age_s": round(age, 3) if age > 0.0 else 0.0}
-        return {
-            **head,
-            "held": a.held,
-            "engine": engine if e is not None else None,
-            "gpu": gpu if g is not None else None,
-        }
+        return {**head, "held": a.held, "engine": engine, "gpu": gpu}
 
-    def _log_context_json(self) -> bytes | None:
-        """:meth:`_log_context` as the JSON members a decision line ends with (``telemetry.spliced``):
-        what a snapshot carries serialized once per snapshot (``telemetry.context_fragments``), the
-        held count and the signals' ages per decision. None: the dict's way (orjson refused a part)."""
+    def _log_context_json(self) -> tuple[bytes, ...] | None:
+        """:meth:`_log_context` as the JSON members a decision line ends with, in pieces
+        (``telemetry.spliced``): what a snapshot carries serialized once per snapshot
+        (``telemetry.context_fragments``), the held count and the signals' ages per decision. None:
+        the dict's way (orjson refused a part)."""
         a = self.admission
         snap, now = a.snapshot, self.clock()
-        cached = self._json_cache
+        cached = self._context_cache
         if cached is None or cached[0] is not snap or cached[1] is not a.loaded or cached[2] != a.shadow:
-            parts = context_fragments(*_snapshot_context(a, snap))
-            cached = self._json_cache = (snap, a.loaded, a.shadow, parts)
-        parts = cached[3]
+            cached = self._snapshot_parts(a, snap)
+        parts = cached[6]
         if parts is None:
             return None
-        head, engine, gpu = parts
         e, g = snap.engine, snap.gpu
-        out = head + b"%d" % a.held
-        if e is None:
-            out += b',"engine":null'
-        else:
-            age = now - e.observed_at
-            out += b',"engine":' + engine + orjson.dumps(round(age, 3) if age > 0.0 else 0.0) + b"}"
-        if g is None:
-            out += b',"gpu":null'
-        else:
-            age = now - g.observed_at
-            out += b',"gpu":' + gpu + orjson.dumps(round(age, 3) if age > 0.0 else 0.0) + b"}"
-        return out
+        return (
+            parts[0],
+            b"%d" % a.held,
+            parts[1],
+            b"" if e is None else orjson.dumps(round(age, 3) if (age := now - e.observed_at) > 0.0 else 0.0),
+            parts[2],
+            b"" if g is None else orjson.dumps(round(age, 3) if (age := now - g.observed_at) > 0.0 else 0.0),
+            parts[3],
+        )
+
+    def _snapshot_parts(self, a: Admission, snap: Snapshot) -> tuple[Any, ...]:
+        """The context's parts that change only with a snapshot or the policy, kept (with what they
+        were taken from) until either changes: one cache for both ways, the dicts and their JSON
+        (``telemetry.context_fragments``)."""
+        head, engine, gpu = _snapshot_context(a, snap)
+        cached = (snap, a.loaded, a.shadow, head, engine, gpu, context_fragments(head, engine, gpu))
+        self._context_cache = cached
+        return cached
 
     # -- policy -----------------------------------------------------------------------------------
 
@@ -652,17 +652,20 @@ def _counter_config(loaded: LoadedPolicy) -> CounterConfig:
     return CounterConfig(**loaded.policy.prompt.model_dump())
 
 
-def _snapshot_context(a: Admission, snap: Snapshot) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _snapshot_context(
+    a: Admission, snap: Snapshot
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """The decision log's context fields that change only with a snapshot or a policy: the head
-    (policy, mode), the engine's and the GPU's fields without their ages (``_log_context`` adds them)."""
+    (policy, mode), the engine's and the GPU's fields without their ages (``_log_context`` adds them),
+    None for a signal not read."""
     e, g = snap.engine, snap.gpu
     head = {"policy": a.policy.name, "mode": "shadow" if a.shadow else "enforce"}
-    engine = {} if e is None else {
+    engine = None if e is None else {
         "running": e.running_requests,
         "queue": e.queue_requests,
         "full_usage": e.full_token_usage,
         "mamba_usage": e.mamba_usage,
         "pending_prefill_tokens": e.pending_prefill_tokens,
     }  # fmt: skip
-    gpu = {} if g is None else {"free_bytes": g.free_bytes}
+    gpu = None if g is None else {"free_bytes": g.free_bytes}
     return head, engine, gpu

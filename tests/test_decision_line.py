@@ -36,12 +36,15 @@ def _app(tmp_path: Path) -> SidecarApp:
         snapshot(NOW + 3.0),  # read "after" now: age 0.0, as max(0.0, age) gave
         snapshot(NOW - 1.0, free_bytes=None),  # no GPU reading
         replace(snapshot(NOW - 0.5), engine=None),  # no engine report
+        replace(snapshot(NOW - 0.5, free_bytes=None), engine=None),  # neither
         snapshot(NOW - 0.1234567, full_token_usage=float("nan"), pending_prefill_tokens=None),
     ],
 )
-def test_the_spliced_line_is_the_merged_record(tmp_path: Path, snap) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("shadow", [False, True])
+def test_the_spliced_line_is_the_merged_record(tmp_path: Path, snap, shadow: bool) -> None:  # type: ignore[no-untyped-def]
     app = _app(tmp_path)
     a = app.admission
+    a.shadow = shadow
     a.update_snapshot(snap)
     want = demand.build(a.rules, 100, arrived_at=NOW, request_id="r-1")
     d = a.evaluate(want)
@@ -53,10 +56,31 @@ def test_the_spliced_line_is_the_merged_record(tmp_path: Path, snap) -> None:  #
         assert members is not None
         line = spliced(record, members)
         record["ts"] = merged["ts"]  # the same instant in both
-        assert spliced(record, members) == _line(merged)
+        assert spliced(record, members) == _line(merged).encode()
         assert line is not None
 
 
 def test_a_record_orjson_refuses_goes_the_dicts_way() -> None:
-    assert spliced({"big": 1 << 70}, b'"held":0') is None
-    assert spliced({"a": 1}, b"") == '{"a":1}'
+    assert spliced({"big": 1 << 70}, (b'"held":', b"0")) is None
+    assert spliced({"a": 1}, ()) == b'{"a":1}'
+
+
+async def test_lines_put_after_each_write_all_reach_the_stream() -> None:
+    """The writer sleeps on a lock that a put into an empty buffer releases: a line put after each
+    batch went out (the buffer empty again, the lock taken again) still wakes it, and close() writes
+    what is queued."""
+    import io
+
+    from sidecar.ops.telemetry import LineWriter
+    from tests.harness import eventually
+
+    out = io.StringIO()
+    writer = LineWriter(out, batch_s=0.0)
+    for i in range(20):
+        writer.put(b"%d" % i)
+        await eventually(lambda i=i: out.getvalue().endswith(f"{i}\n"))
+    for i in range(20, 25):
+        writer.put(b"%d" % i)
+    writer.close()
+    assert out.getvalue().splitlines() == [str(i) for i in range(25)]
+    assert writer.dropped == 0

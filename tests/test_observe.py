@@ -163,7 +163,8 @@ def test_the_decision_log_writer_keeps_every_line_in_order_and_drops_past_its_bo
     out = io.StringIO()
     writer = LineWriter(out, batch_s=0.001)
     threads = [
-        threading.Thread(target=lambda t=t: [writer.put(f"{t}:{i}") for i in range(2000)]) for t in range(4)
+        threading.Thread(target=lambda t=t: [writer.put(f"{t}:{i}".encode()) for i in range(2000)])
+        for t in range(4)
     ]
     for th in threads:
         th.start()
@@ -187,7 +188,7 @@ def test_the_decision_log_writer_keeps_every_line_in_order_and_drops_past_its_bo
     stuck = Stuck()
     bounded = LineWriter(stuck, max_pending=10)
     for i in range(100):
-        bounded.put(str(i))
+        bounded.put(str(i).encode())
     stuck.release.set()
     bounded.close()
     assert bounded.dropped >= 100 - 10 - 1  # at most one line was already taken by the writer

@@ -9,6 +9,7 @@ an absent series, never a 0.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import threading
@@ -73,10 +74,13 @@ class LineWriter:
     Bounded: if the writer falls ``max_pending`` lines behind, new lines are dropped and counted
     (``decision_log_dropped_total``) rather than growing memory or blocking requests.
 
-    Cheap per line: ``put`` is a deque append (atomic under the GIL); the writer is woken only when a
-    line lands in an empty buffer, and waits ``batch_s`` after each write so that lines arriving
-    meanwhile go out together. A ``queue.Queue`` here cost a lock and a thread wake-up per decision,
-    ~15 % of the sidecar's CPU on small requests at saturation (py-spy, issue #12).
+    Cheap per line: ``put`` is a deque append (atomic under the GIL) of the line's UTF-8 bytes, decoded
+    once per batch on the writer's thread; the writer is woken only when a line lands in an empty
+    buffer, and waits ``batch_s`` after each write so that lines arriving meanwhile go out together. A
+    ``queue.Queue`` here cost a lock and a thread wake-up per decision, ~15 % of the sidecar's CPU on
+    small requests at saturation (py-spy, issue #12). The wake-up is a bare lock released by ``put``
+    (one C call), not a ``threading.Event``, whose ``set``/``wait``/``clear`` run a Condition's Python
+    code on both threads at each wake-up (issue #27).
     """
 
     def __init__(self, stream: IO[str], max_pending: int = 100_000, batch_s: float = 0.02) -> None:
@@ -84,42 +88,51 @@ class LineWriter:
         self.dropped = 0
         self._max_pending = max_pending
         self._batch_s = batch_s
-        self._lines: collections.deque[str] = collections.deque()
-        self._wake = threading.Event()
+        self._lines: collections.deque[bytes] = collections.deque()
+        # Locked: nothing to do. ``put`` into an empty buffer (or ``close``) releases it; the writer
+        # takes it before each batch. A line is in the buffer only after a release the writer has
+        # not yet taken, or while the writer drains: no wake-up is lost.
+        self._wake = threading.Lock()
+        self._wake.acquire()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="decision-log", daemon=True)
         self._thread.start()
 
-    def put(self, line: str) -> None:
-        if len(self._lines) >= self._max_pending:
+    def put(self, line: bytes) -> None:
+        lines = self._lines
+        if len(lines) >= self._max_pending:
             self.dropped += 1
             return
-        was_empty = not self._lines
-        self._lines.append(line)
+        was_empty = not lines
+        lines.append(line)
         if was_empty:
-            self._wake.set()
+            try:  # noqa: SIM105 (contextlib.suppress: a Python-level context manager per wake-up)
+                self._wake.release()
+            except RuntimeError:  # already released (two puts into an empty buffer): the writer is due
+                pass
 
     def _run(self) -> None:
+        lines = self._lines
         while True:
-            self._wake.wait()
-            self._wake.clear()
-            batch: list[str] = []
-            while self._lines:
-                batch.append(self._lines.popleft())
+            self._wake.acquire()
+            batch: list[bytes] = []
+            while lines:
+                batch.append(lines.popleft())
             if batch:
                 try:
-                    self.stream.write("\n".join(batch) + "\n")
+                    self.stream.write(b"\n".join(batch).decode() + "\n")
                     self.stream.flush()
                 except (OSError, ValueError):
                     self.dropped += len(batch)
-            if self._closing and not self._lines:
+            if self._closing and not lines:
                 return
             time.sleep(self._batch_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued, then stop."""
         self._closing = True
-        self._wake.set()
+        with contextlib.suppress(RuntimeError):  # already released: the writer is due
+            self._wake.release()
         self._thread.join(timeout_s)
 
 
@@ -211,9 +224,9 @@ class Telemetry:
         self.largest_admitted_bytes = 0
         registry.register(_LargestAdmitted(self))
         self.context: Callable[[], dict[str, Any]] = dict
-        # The same context as the JSON members a decision line ends with (``spliced``), or None for
-        # the dict's way: the shell serializes what changes only with a snapshot once (issue #27).
-        self.context_json: Callable[[], bytes | None] = lambda: None
+        # The same context as the JSON members a decision line ends with, in pieces (``spliced``), or
+        # None for the dict's way: the shell serializes what changes only with a snapshot once (#27).
+        self.context_json: Callable[[], tuple[bytes, ...] | None] = lambda: None
 
     def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         action = d.action
@@ -255,7 +268,7 @@ class Telemetry:
                 None if members is None else spliced(decision_record(d, cost, waited_s, ledger, {}), members)
             )
             if line is None:
-                line = _line(decision_record(d, cost, waited_s, ledger, self.context()))
+                line = _line(decision_record(d, cost, waited_s, ledger, self.context())).encode()
             self._writer.put(line)
         elif log.isEnabledFor(logging.INFO):
             # Through the process's log pipeline (sidecar.ops.logs): its format, its bounded queue.
@@ -439,32 +452,45 @@ def _line(fields: dict[str, Any]) -> str:
         return json.dumps(fields, separators=(",", ":"))
 
 
-def spliced(fields: dict[str, Any], members: bytes) -> str | None:
-    """``_line`` of ``fields`` followed by the context's ``members`` (``context_fragments``): the same
-    bytes as one ``orjson.dumps`` of the merged dict, whose members it writes in order. None where
+def spliced(fields: dict[str, Any], members: tuple[bytes, ...]) -> bytes | None:
+    """``_line`` of ``fields`` followed by the context's ``members`` (pieces: ``context_fragments``
+    and what changes per decision), as UTF-8: the same bytes as one ``orjson.dumps`` of the merged
+    dict, whose members it writes in order. One join (no intermediate copies of the line). None where
     orjson refuses ``fields`` (then the merged dict goes ``_line``'s way)."""
     try:
         head = orjson.dumps(fields)
     except TypeError:
         return None
-    return (head[:-1] + b"," + members + b"}").decode() if members else head.decode()
+    if not members:
+        return head
+    return b"".join((memoryview(head)[:-1], b",", *members, b"}"))
 
 
 def context_fragments(
-    head: dict[str, Any], engine: dict[str, Any], gpu: dict[str, Any]
-) -> tuple[bytes, bytes, bytes] | None:
+    head: dict[str, Any], engine: dict[str, Any] | None, gpu: dict[str, Any] | None
+) -> tuple[bytes, bytes, bytes, bytes] | None:
     """The decision log's context parts that change only with a snapshot (the shell's ``_log_context``
-    head, engine and GPU fields) as JSON, once per snapshot: the head's members up to the held count's
-    key, and the engine's and the GPU's objects left open for their ``age_s`` (last). None where orjson
-    cannot write them (the record then goes the dict's way)."""
+    head, engine and GPU fields; None for a signal not read) as JSON, once per snapshot. A decision's
+    members are then ``(head, held, engine, engine age, gpu, gpu age, end)``: the head's members up to
+    the held count's key, the engine's object left open for its ``age_s`` (last), the GPU's likewise
+    after the engine's close, and the closing brace of the last (an absent signal: ``null``, no age).
+    None where orjson cannot write them (the record then goes the dict's way)."""
     try:
+        first = (orjson.dumps(head)[1:-1] + b"," if head else b"") + b'"held":'
+        after_engine = b"}," if engine is not None else b","
         return (
-            (orjson.dumps(head)[1:-1] + b"," if head else b"") + b'"held":',
-            orjson.dumps(engine)[:-1] + (b',"age_s":' if engine else b'"age_s":'),
-            orjson.dumps(gpu)[:-1] + (b',"age_s":' if gpu else b'"age_s":'),
+            first,
+            b',"engine":null' if engine is None else b',"engine":' + _open(engine),
+            after_engine + (b'"gpu":null' if gpu is None else b'"gpu":' + _open(gpu)),
+            b"}" if gpu is not None else b"",
         )
     except TypeError:
         return None
+
+
+def _open(fields: dict[str, Any]) -> bytes:
+    """``fields`` as a JSON object left open for one more member, ``age_s``."""
+    return orjson.dumps(fields)[:-1] + (b',"age_s":' if fields else b'"age_s":')
 
 
 def decision_record(
