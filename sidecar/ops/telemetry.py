@@ -198,6 +198,9 @@ class Telemetry:
             FIRST_BYTE_BUCKETS,
         )
         registry.register(_PerRequest((decisions, held, requests, self._hold, self._first_byte)))
+        # The upstream's first body byte for an admitted request arrived ``seconds`` after forwarding:
+        # the histogram's own method (no second call per request).
+        self.first_byte: Callable[[float], None] = self._first_byte.observe
         reloads = Counter(
             PREFIX + "policy_reloads",
             "Policy reload attempts (SIGHUP or upload) by result: applied or refused",
@@ -232,7 +235,10 @@ class Telemetry:
         action = d.action
         if action is Action.ADMIT:  # the common case first
             self._admits.n += 1
-            self._hold.observe(waited_s)
+            hold = self._hold  # _Histogram.observe, inline: the call was ~5 % of this method
+            if waited_s == waited_s:
+                hold.counts[bisect_left(hold.bounds, waited_s)] += 1
+            hold.sum += waited_s
             if cost.projected_bytes > self.largest_admitted_bytes:
                 self.largest_admitted_bytes = cost.projected_bytes
         elif action is Action.HOLD:
@@ -274,10 +280,6 @@ class Telemetry:
             # Through the process's log pipeline (sidecar.ops.logs): its format, its bounded queue.
             fields = decision_record(d, cost, waited_s, ledger, self.context())
             log.info("decision %s", action._value_, extra={"fields": fields})
-
-    def first_byte(self, seconds: float) -> None:
-        """The upstream's first body byte for an admitted request arrived ``seconds`` after forwarding."""
-        self._first_byte.observe(seconds)
 
     def implausible(self, signal: str, series: str) -> None:
         """A reading of ``signal`` was refused because ``series`` held a value that cannot be true."""
