@@ -180,4 +180,4 @@ async def test_the_client_gets_a_429_prefill_overrun_and_the_engine_never_crashe
         a = app.admission
         assert a.ledger.totals.requests == 0 and a.guard_state()["aborted"] == 1
         counts = a.observer.inner._outcomes  # type: ignore[attr-defined]
-        assert counts[Outcome.PREFILL_OVERRUN]._value.get() == 1
+        assert counts[Outcome.PREFILL_OVERRUN].n == 1
