@@ -115,22 +115,28 @@ class Response:
 
     # -- read by the relay --------------------------------------------------------------------------
 
+    def take(self) -> bytes | None:
+        """What :meth:`readany` would return now, without a coroutine (b"" at the end), or None when it
+        would have to wait: a small answer arrives whole with its head, so the relay reads it here."""
+        chunks = self.chunks
+        if chunks:
+            data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._size = 0
+            self._conn.resume()
+            return data
+        if self._error is not None:
+            raise self._error
+        return b"" if self._done else None
+
     async def readany(self) -> bytes:
         """Everything received since the last read (b"" at the end), waiting for at least a byte."""
-        while not self.chunks:
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                return b""
+        while (data := self.take()) is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.chunks.clear()
-        self._size = 0
-        self._conn.resume()
         return data
 
     async def iter_any(self) -> AsyncIterator[bytes]:
@@ -421,7 +427,8 @@ class _Exchange:
     async def __aenter__(self) -> Response:
         retry = True
         while True:
-            conn = self._conn = await self._client._acquire()
+            client = self._client
+            conn = self._conn = client._pooled() or await client._acquire()
             resp = self._response = Response(conn)
             try:
                 head = conn.send(self._head, resp, self._bodiless)
@@ -633,18 +640,29 @@ class UpstreamClient:
 
     # -- the pool -----------------------------------------------------------------------------------
 
+    def _pooled(self) -> _Conn | None:
+        """An idle connection still fit for reuse, taken from the pool; None when there is none. Not a
+        coroutine: a request on a keep-alive connection (nearly all) awaits nothing to get one."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        idle = self._idle
+        if not idle:
+            return None
+        now = self.loop.time()
+        while idle:
+            conn = idle.pop()
+            if conn.eof or conn.transport.is_closing() or now - conn.idle_since >= self.keepalive_s:  # type: ignore[union-attr]
+                conn.transport.close()  # type: ignore[union-attr]
+                continue
+            conn.reused = True
+            self._busy.add(conn)
+            return conn
+        return None
+
     async def _acquire(self) -> _Conn:
         while True:
-            if self._closed:
-                raise RuntimeError("the client is closed")
-            now = self.loop.time()
-            while self._idle:
-                conn = self._idle.pop()
-                if conn.eof or conn.transport.is_closing() or now - conn.idle_since >= self.keepalive_s:  # type: ignore[union-attr]
-                    conn.transport.close()  # type: ignore[union-attr]
-                    continue
-                conn.reused = True
-                self._busy.add(conn)
+            conn = self._pooled()
+            if conn is not None:
                 return conn
             if len(self._busy) + self._connecting < self.max_connections:
                 return await self._connect()
