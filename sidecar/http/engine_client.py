@@ -47,6 +47,7 @@ INLINE_BODY = 64 * 1024
 # Built once: an isinstance against `bytes | bytearray | memoryview` makes a union object per call.
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 _BODILESS_STATUS = frozenset({204, 304})
+_FRAMING = frozenset((b"content-length", b"transfer-encoding"))
 # RFC 9110 9.2.2 (aiohttp's list): these may be sent again on a fresh connection when a reused one was stale.
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 _FORBIDDEN = re.compile(rb"[\r\n\x00]")
@@ -260,10 +261,13 @@ class _Conn(asyncio.Protocol):
         assert resp is not None and self.head is not None
         resp.status = status
         resp.raw_headers = tuple(self._headers)
-        self._framed = (
-            any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self._headers)
-            or status in _BODILESS_STATUS
-        )
+        framed = status in _BODILESS_STATUS
+        if not framed:
+            for n, _ in resp.raw_headers:  # a loop, not a generator: every response's path
+                if n.lower() in _FRAMING:
+                    framed = True
+                    break
+        self._framed = framed
         if not self.head.done():
             self.head.set_result(None)
         if self.bodiless:  # httptools cannot be told a HEAD answer has no body: it ends here

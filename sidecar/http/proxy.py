@@ -939,9 +939,17 @@ def _request_header_bytes(scope: Scope, keep_length: bool) -> list[tuple[bytes, 
     """:func:`_request_headers` as the client sent them, for the lean client (which writes bytes)."""
     drop = _DROP_REQUEST_KEEP_LENGTH if keep_length else _DROP_REQUEST
     raw = scope["headers"]
-    if any(k == b"connection" for k, _ in raw):
-        drop = drop | _connection_named(raw)
-    return [h for h in raw if h[0] not in drop]
+    # One loop, no generator and no comprehension's frame (every request's path, issue #27).
+    out = []
+    for h in raw:
+        k = h[0]
+        if k in drop:
+            if k == b"connection":  # rare: what its options name goes too (ASGI names are lower-case)
+                drop = drop | _connection_named(raw)
+                return [h for h in raw if h[0] not in drop]
+            continue
+        out.append(h)
+    return out
 
 
 def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[str]:
