@@ -92,16 +92,22 @@ def decision_fields(d: Decision, demand: Demand) -> dict[str, Any]:
         "projected_bytes": demand.projected_bytes,
         "headroom_bytes": d.headroom_bytes,
         "retry_after_s": d.retry_after_s,
-        "checks": [_check_fields(c) for c in d.checks],
+        # One dict per check (``limit`` only where the check names one), built inline: a function call
+        # per check was per-decision work too (issue #27).
+        "checks": [
+            {
+                "name": c.name,
+                "ok": c.ok,
+                "need": c.need,
+                "have": c.have,
+                "note": c.note or None,
+                "limit": c.limit,
+            }
+            if c.limit
+            else {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
+            for c in d.checks
+        ],
     }
-
-
-def _check_fields(c: Check) -> dict[str, Any]:
-    """One check of :func:`decision_fields` (``limit`` only where the check names one)."""
-    fields = {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
-    if c.limit:
-        fields["limit"] = c.limit
-    return fields
 
 
 def unfit_check(d: Decision) -> Check | None:

@@ -47,6 +47,7 @@ INLINE_BODY = 64 * 1024
 # Built once: an isinstance against `bytes | bytearray | memoryview` makes a union object per call.
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 _BODILESS_STATUS = frozenset({204, 304})
+_FRAMING = frozenset((b"content-length", b"transfer-encoding"))
 # RFC 9110 9.2.2 (aiohttp's list): these may be sent again on a fresh connection when a reused one was stale.
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 _FORBIDDEN = re.compile(rb"[\r\n\x00]")
@@ -115,22 +116,28 @@ class Response:
 
     # -- read by the relay --------------------------------------------------------------------------
 
+    def take(self) -> bytes | None:
+        """What :meth:`readany` would return now, without a coroutine (b"" at the end), or None when it
+        would have to wait: a small answer arrives whole with its head, so the relay reads it here."""
+        chunks = self.chunks
+        if chunks:
+            data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._size = 0
+            self._conn.resume()
+            return data
+        if self._error is not None:
+            raise self._error
+        return b"" if self._done else None
+
     async def readany(self) -> bytes:
         """Everything received since the last read (b"" at the end), waiting for at least a byte."""
-        while not self.chunks:
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                return b""
+        while (data := self.take()) is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.chunks.clear()
-        self._size = 0
-        self._conn.resume()
         return data
 
     async def iter_any(self) -> AsyncIterator[bytes]:
@@ -254,10 +261,13 @@ class _Conn(asyncio.Protocol):
         assert resp is not None and self.head is not None
         resp.status = status
         resp.raw_headers = tuple(self._headers)
-        self._framed = (
-            any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self._headers)
-            or status in _BODILESS_STATUS
-        )
+        framed = status in _BODILESS_STATUS
+        if not framed:
+            for n, _ in resp.raw_headers:  # a loop, not a generator: every response's path
+                if n.lower() in _FRAMING:
+                    framed = True
+                    break
+        self._framed = framed
         if not self.head.done():
             self.head.set_result(None)
         if self.bodiless:  # httptools cannot be told a HEAD answer has no body: it ends here
@@ -421,7 +431,8 @@ class _Exchange:
     async def __aenter__(self) -> Response:
         retry = True
         while True:
-            conn = self._conn = await self._client._acquire()
+            client = self._client
+            conn = self._conn = client._pooled() or await client._acquire()
             resp = self._response = Response(conn)
             try:
                 head = conn.send(self._head, resp, self._bodiless)
@@ -633,18 +644,29 @@ class UpstreamClient:
 
     # -- the pool -----------------------------------------------------------------------------------
 
+    def _pooled(self) -> _Conn | None:
+        """An idle connection still fit for reuse, taken from the pool; None when there is none. Not a
+        coroutine: a request on a keep-alive connection (nearly all) awaits nothing to get one."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        idle = self._idle
+        if not idle:
+            return None
+        now = self.loop.time()
+        while idle:
+            conn = idle.pop()
+            if conn.eof or conn.transport.is_closing() or now - conn.idle_since >= self.keepalive_s:  # type: ignore[union-attr]
+                conn.transport.close()  # type: ignore[union-attr]
+                continue
+            conn.reused = True
+            self._busy.add(conn)
+            return conn
+        return None
+
     async def _acquire(self) -> _Conn:
         while True:
-            if self._closed:
-                raise RuntimeError("the client is closed")
-            now = self.loop.time()
-            while self._idle:
-                conn = self._idle.pop()
-                if conn.eof or conn.transport.is_closing() or now - conn.idle_since >= self.keepalive_s:  # type: ignore[union-attr]
-                    conn.transport.close()  # type: ignore[union-attr]
-                    continue
-                conn.reused = True
-                self._busy.add(conn)
+            conn = self._pooled()
+            if conn is not None:
                 return conn
             if len(self._busy) + self._connecting < self.max_connections:
                 return await self._connect()

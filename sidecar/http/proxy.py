@@ -147,55 +147,103 @@ class Proxy:
 
     # -- entry ---------------------------------------------------------------------------------------
 
-    async def __call__(
+    def __call__(
         self, scope: Scope, receive: Receive, send: Send, gated: bool, route: Route | None = None
-    ) -> None:
+    ) -> Awaitable[None]:
+        """The request's handler, as its own awaitable. Not a coroutine (as ``SidecarApp.__call__``):
+        every resumption of a request's task passes through each frame of its chain (issue #27)."""
+        if gated:
+            return self._gated_request(scope, receive, send, route)
+        return self._pass_through(scope, receive, send)
+
+    async def _pass_through(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives."""
         problem = _header_problem(scope)
-        if problem is None and gated:
+        if problem is not None:
+            await send_response(send, problem)
+            return
+        try:
+            body = await _PassThroughBody.start(scope, receive)
+            work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
+            watch = scope.get(DISCONNECT_WATCH) if body.done is None else None
+            if watch is None:
+                await _until_disconnect(work, receive, scope, after=body.done)
+                return
+            # _until_disconnect's server-watch way, in this frame (one frame less per resumption).
+            task = asyncio.current_task()
+            assert task is not None
+            gone = False
+
+            def on_lost() -> None:
+                nonlocal gone
+                gone = True
+                task.cancel()
+
+            watch.watch_disconnect(on_lost)
+            try:
+                await work
+            except asyncio.CancelledError:
+                if gone and task.uncancel() == 0:
+                    return  # the client left: nobody to answer
+                raise
+            finally:
+                watch.unwatch_disconnect(on_lost)
+        except ClientGone:
+            return
+
+    async def _gated_request(self, scope: Scope, receive: Receive, send: Send, route: Route | None) -> None:
+        """The admission handle around the whole request (its one outcome, decided on exit), the body,
+        and the client's disconnect watched from then on."""
+        problem = _header_problem(scope)
+        if problem is None:
             problem = json_body_refusal(scope["headers"])  # 415: a cross-site form must not spend the lane
         try:
-            if not gated:
-                await self._pass_through(scope, receive, send, problem)
-                return
             with self.admission.open() as handle:  # the request's one outcome, decided on exit
                 if problem is not None:
                     status, headers, payload = problem
                     rid = _client_request_id(scope) or new_request_id()
                     await send_response(send, (status, [*headers, _id_header(rid)], payload))
                     return
-                await self._gated_request(scope, receive, send, handle, route)
+                sent_id = _client_request_id(scope)
+                try:
+                    body = _Body(await read_body(scope, receive, self.admission.policy.limits.max_body_bytes))
+                except BadRequest as e:
+                    rid = sent_id or new_request_id()
+                    await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
+                    return
+                if route is not None and (
+                    scope["path"] != route.path or scope.get("raw_path") != _raw(route.path)
+                ):
+                    # Forward to the route the engine would serve, not to a variant it would redirect (a
+                    # request to the route itself, nearly all, keeps its scope: the copy would be the same).
+                    scope = {**scope, "path": route.path, "raw_path": _raw(route.path)}
+                task = asyncio.current_task()  # once: the forward's overrun callback and the disconnect watch
+                assert task is not None
+                work = self._gated(scope, body, send, handle, route, sent_id, task)
+                watch = scope.get(DISCONNECT_WATCH)
+                if watch is None:
+                    await _until_disconnect(work, receive, scope, task=task)
+                    return
+                # _until_disconnect's server-watch way, in this frame: two frames less on every
+                # resumption of the request's task, and no coroutine of their own (issue #27).
+                gone = False
+
+                def on_lost() -> None:
+                    nonlocal gone
+                    gone = True
+                    task.cancel()
+
+                watch.watch_disconnect(on_lost)
+                try:
+                    await work
+                except asyncio.CancelledError:
+                    if gone and task.uncancel() == 0:
+                        raise ClientGone from None  # the handle's exit records client_gone
+                    raise
+                finally:
+                    watch.unwatch_disconnect(on_lost)
         except ClientGone:
             return
-
-    async def _pass_through(
-        self, scope: Scope, receive: Receive, send: Send, problem: Response | None
-    ) -> None:
-        """Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives."""
-        if problem is not None:
-            await send_response(send, problem)
-            return
-        body = await _PassThroughBody.start(scope, receive)
-        work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
-        await _until_disconnect(work, receive, scope, after=body.done)
-
-    async def _gated_request(
-        self, scope: Scope, receive: Receive, send: Send, handle: Handle, route: Route | None
-    ) -> None:
-        sent_id = _client_request_id(scope)
-        try:
-            body = _Body(await read_body(scope, receive, self.admission.policy.limits.max_body_bytes))
-        except BadRequest as e:
-            rid = sent_id or new_request_id()
-            await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
-            return
-        if route is not None and (scope["path"] != route.path or scope.get("raw_path") != _raw(route.path)):
-            # Forward to the route the engine would serve, not to a variant it would redirect (a request
-            # to the route itself, nearly all, keeps its scope: the copy would be the same).
-            scope = {**scope, "path": route.path, "raw_path": _raw(route.path)}
-        task = asyncio.current_task()  # once: the forward's overrun callback and the disconnect watch
-        assert task is not None
-        work = self._gated(scope, body, send, handle, route, sent_id, task)
-        await _until_disconnect(work, receive, scope, task=task)
 
     # -- gated ---------------------------------------------------------------------------------------
 
@@ -428,52 +476,66 @@ class Proxy:
         started = False
         forwarded_at = time.monotonic()
         sized = length is not None and not isinstance(body, _BYTES)
+        lean = session.__class__ is UpstreamClient
         target, req_headers = self._upstream_target(
-            scope, session.__class__ is UpstreamClient, keep_length, length if sized else None, request_id
+            scope, lean, keep_length, length if sized else None, request_id
         )
         try:
             async with session.request(
                 scope["method"], target, data=body or None, headers=req_headers, allow_redirects=False
             ) as resp:
-                note = scope.get(ACCESS_NOTE)
-                if note is not None:
-                    note["upstream_status"] = resp.status  # for the access log
                 # A gated answer drops the engine's X-Request-Id too: ours names this request in the
                 # decision log; an engine's echo would duplicate it.
                 drop = _DROP_RESPONSE if handle is None else _DROP_RESPONSE_GATED
                 headers = _response_headers(resp.raw_headers, self._origin, drop)
                 headers += extra_headers
-                start = {"type": "http.response.start", "status": resp.status, "headers": headers}
+                status = resp.status
+                start = {"type": "http.response.start", "status": status, "headers": headers}
+                note = scope.get(ACCESS_NOTE)
+                if note is None:
+                    relay = send
+                else:
+                    # The relayed answer skips the access log's wrapper: the note tells it the status and
+                    # headers (as the start goes out) and the bytes (at the end). An answer sent here on
+                    # an error still goes through ``send`` (the wrapper), whose status the log prefers.
+                    note["upstream_status"] = status
+                    relay = note.get("raw_send", send)
                 if handle is None:
-                    await send(start)
+                    if note is not None:
+                        note["status"], note["headers"] = status, headers
+                    await relay(start)
                     started = True
-                # The chunks skip the access log's wrapper (it is told their total at the end).
-                send_chunk = note.get("raw_send", send) if note is not None else send
-                chunks = resp.content.iter_any()
+                # Read by ``readany`` (b"" at the end), not ``iter_any``'s async generator (one more
+                # object, frame and loop hook per response); the lean client's ``take`` hands over
+                # what has arrived already without a coroutine (a small answer: all of it).
+                take = resp.take if lean else _nothing_taken
+                read = resp.content.readany
                 relayed = 0
                 try:
+                    chunk = take()
+                    if chunk is None:
+                        chunk = await read()
                     if handle is not None:
                         # A gated answer starts at the engine's first body byte (SGLang sends a stream's
                         # headers before its prefill): until then the in-flight guard may still turn
                         # it into a clean 503 (core/overrun.py).
-                        async for chunk in chunks:
-                            handle.prefill_done(measured and resp.status == 200)
+                        if chunk:
+                            handle.prefill_done(measured and status == 200)
                             self.on_first_byte(time.monotonic() - forwarded_at)
-                            relayed += len(chunk)
-                            await send(start)
-                            started = True
-                            await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
-                            break
-                        if not started:
-                            await send(start)
-                            started = True
-                    async for chunk in chunks:
+                        if note is not None:
+                            note["status"], note["headers"] = status, headers
+                        await relay(start)
+                        started = True
+                    while chunk:
                         relayed += len(chunk)
-                        await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
+                        await relay({"type": "http.response.body", "body": chunk, "more_body": True})
+                        chunk = take()
+                        if chunk is None:
+                            chunk = await read()
                 finally:
                     if note is not None:
                         note["body_bytes"] = note.get("body_bytes", 0) + relayed
-                await send({"type": "http.response.body", "body": b""})
+                await relay({"type": "http.response.body", "body": b""})
                 if handle is not None:
                     handle.relayed()
         except (aiohttp.ClientError, TimeoutError) as e:
@@ -485,6 +547,11 @@ class Proxy:
                 # client does not mistake a truncated stream for a complete one.
                 log.warning("upstream broke mid-response on %s: %s", scope["path"], e)
                 raise UpstreamBroke(str(e)) from None
+
+
+def _nothing_taken() -> None:
+    """aiohttp's response has no ``take``: every read waits in ``readany``."""
+    return None
 
 
 class _Turns:
@@ -764,7 +831,11 @@ async def _until_disconnect(
 
         watch.watch_disconnect(on_lost)
         try:
-            await _client_gone_on_cancel(work, task, lambda: gone)
+            await work
+        except asyncio.CancelledError:
+            if gone and task.uncancel() == 0:
+                raise ClientGone from None
+            raise
         finally:
             watch.unwatch_disconnect(on_lost)
         return
@@ -782,20 +853,15 @@ async def _until_disconnect(
 
     listener = asyncio.get_running_loop().create_task(listen())
     try:
-        await _client_gone_on_cancel(work, task, lambda: gone)
-    finally:
-        listener.cancel()
-
-
-async def _client_gone_on_cancel(work: Awaitable[None], task: asyncio.Task, gone: Callable[[], bool]) -> None:
-    """Await ``work``; a cancellation is ours (the client left: :class:`ClientGone`) unless someone else
-    cancelled this task too (a shutdown), whose cancellation goes on."""
-    try:
         await work
     except asyncio.CancelledError:
-        if gone() and task.uncancel() == 0:
+        # Ours (the client left: ClientGone) unless someone else cancelled this task too (a shutdown),
+        # whose cancellation goes on.
+        if gone and task.uncancel() == 0:
             raise ClientGone from None
         raise
+    finally:
+        listener.cancel()
 
 
 def new_request_id() -> str:
@@ -873,9 +939,17 @@ def _request_header_bytes(scope: Scope, keep_length: bool) -> list[tuple[bytes, 
     """:func:`_request_headers` as the client sent them, for the lean client (which writes bytes)."""
     drop = _DROP_REQUEST_KEEP_LENGTH if keep_length else _DROP_REQUEST
     raw = scope["headers"]
-    if any(k == b"connection" for k, _ in raw):
-        drop = drop | _connection_named(raw)
-    return [h for h in raw if h[0] not in drop]
+    # One loop, no generator and no comprehension's frame (every request's path, issue #27).
+    out = []
+    for h in raw:
+        k = h[0]
+        if k in drop:
+            if k == b"connection":  # rare: what its options name goes too (ASGI names are lower-case)
+                drop = drop | _connection_named(raw)
+                return [h for h in raw if h[0] not in drop]
+            continue
+        out.append(h)
+    return out
 
 
 def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[str]:
