@@ -169,25 +169,10 @@ class Proxy:
             if watch is None:
                 await _until_disconnect(work, receive, scope, after=body.done)
                 return
-            # _until_disconnect's server-watch way, in this frame (one frame less per resumption).
             task = asyncio.current_task()
             assert task is not None
-            gone = False
-
-            def on_lost() -> None:
-                nonlocal gone
-                gone = True
-                task.cancel()
-
-            watch.watch_disconnect(on_lost)
-            try:
+            with _ServerWatch(watch, task):  # in this frame: one frame less per resumption (issue #27)
                 await work
-            except asyncio.CancelledError:
-                if gone and task.uncancel() == 0:
-                    return  # the client left: nobody to answer
-                raise
-            finally:
-                watch.unwatch_disconnect(on_lost)
         except ClientGone:
             return
 
@@ -224,24 +209,10 @@ class Proxy:
                 if watch is None:
                     await _until_disconnect(work, receive, scope, task=task)
                     return
-                # _until_disconnect's server-watch way, in this frame: two frames less on every
-                # resumption of the request's task, and no coroutine of their own (issue #27).
-                gone = False
-
-                def on_lost() -> None:
-                    nonlocal gone
-                    gone = True
-                    task.cancel()
-
-                watch.watch_disconnect(on_lost)
-                try:
+                # In this frame: two frames less on every resumption of the request's task, and no
+                # coroutine of their own (issue #27). ClientGone: the handle's exit records client_gone.
+                with _ServerWatch(watch, task):
                     await work
-                except asyncio.CancelledError:
-                    if gone and task.uncancel() == 0:
-                        raise ClientGone from None  # the handle's exit records client_gone
-                    raise
-                finally:
-                    watch.unwatch_disconnect(on_lost)
         except ClientGone:
             return
 
@@ -799,6 +770,32 @@ class _PassThroughBody:
             self.done.set()
 
 
+class _ServerWatch:
+    """The client's going learnt from the server's own connection (``serving.DISCONNECT_WATCH``) around
+    work awaited in the caller's frame: ``with _ServerWatch(watch, task): await work``. If the client
+    leaves first, the task is cancelled and the block raises :class:`ClientGone`; a cancellation from
+    anyone else too (a shutdown) goes on. A ``with`` block adds no coroutine and no frame to the
+    request's task, which a wrapper coroutine did on every resumption (issue #27). The instance is the
+    callback itself (the server unwatches by identity), so no closure or bound method per request."""
+
+    __slots__ = ("_gone", "_task", "_watch")
+
+    def __init__(self, watch: Any, task: asyncio.Task) -> None:
+        self._watch, self._task, self._gone = watch, task, False
+
+    def __call__(self) -> None:  # the server's connection_lost
+        self._gone = True
+        self._task.cancel()
+
+    def __enter__(self) -> None:
+        self._watch.watch_disconnect(self)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self._watch.unwatch_disconnect(self)
+        if kind is asyncio.CancelledError and self._gone and self._task.uncancel() == 0:
+            raise ClientGone from None
+
+
 async def _until_disconnect(
     work: Awaitable[None],
     receive: Receive,
@@ -820,25 +817,12 @@ async def _until_disconnect(
     if task is None:  # the caller may hand it over (it had it already)
         task = asyncio.current_task()
     assert task is not None
-    gone = False
     watch = scope.get(DISCONNECT_WATCH) if after is None else None
     if watch is not None:
-
-        def on_lost() -> None:
-            nonlocal gone
-            gone = True
-            task.cancel()
-
-        watch.watch_disconnect(on_lost)
-        try:
+        with _ServerWatch(watch, task):
             await work
-        except asyncio.CancelledError:
-            if gone and task.uncancel() == 0:
-                raise ClientGone from None
-            raise
-        finally:
-            watch.unwatch_disconnect(on_lost)
         return
+    gone = False
 
     async def listen() -> None:
         nonlocal gone
