@@ -34,7 +34,7 @@ import asyncio
 import collections
 import os
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -72,19 +72,37 @@ class UnreachableError(aiohttp.ClientConnectorError):
 
 class Response:
     """The engine's answer: ``status``, ``raw_headers`` (name and value bytes as received),
-    and ``content.iter_any()``. Read by one task; ends when the body has been read or the context left."""
+    and ``content.iter_any()``. Read by one task; ends when the body has been read or the context left.
 
-    __slots__ = ("_conn", "_done", "_error", "_size", "_waiter", "chunks", "raw_headers", "status")
+    ``splice(sink)`` hands what arrives straight to ``sink`` from the connection's own callback, so a
+    stream's relay wakes no task per piece (issue #27): the reader waits once, for the end."""
+
+    __slots__ = (
+        "_conn",
+        "_done",
+        "_error",
+        "_sink",
+        "_size",
+        "_waiter",
+        "chunks",
+        "raw_headers",
+        "spliced",
+        "status",
+    )
 
     def __init__(self, conn: _Conn) -> None:
         self._conn = conn
         self.status = 0
         self.raw_headers: tuple[tuple[bytes, bytes], ...] = ()
-        self.chunks: collections.deque[bytes] = collections.deque()
-        self._size = 0
+        # The body pieces received and not yet read: the connection's own deque, which its parser
+        # appends to directly (no Python call per piece).
+        self.chunks: collections.deque[bytes] = conn.body
+        self._size = 0  # bytes received unread (with their chunk framing): the backpressure's measure
         self._done = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], bool] | None = None
+        self.spliced = 0  # body bytes handed to a sink (``splice``)
 
     @property
     def content(self) -> Response:
@@ -92,13 +110,6 @@ class Response:
         return self
 
     # -- fed by the connection --------------------------------------------------------------------
-
-    def _data(self, data: bytes) -> None:
-        self.chunks.append(data)
-        self._size += len(data)
-        if self._size > BUFFER_HIGH:
-            self._conn.pause()
-        self._wake()
 
     def _end(self, error: BaseException | None = None) -> None:
         if self._done or self._error is not None:
@@ -124,7 +135,8 @@ class Response:
             data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
             chunks.clear()
             self._size = 0
-            self._conn.resume()
+            if self._conn._paused:
+                self._conn.resume()
             return data
         if self._error is not None:
             raise self._error
@@ -138,6 +150,22 @@ class Response:
                 await self._waiter
             finally:
                 self._waiter = None
+        return data
+
+    async def splice(self, sink: Callable[[bytes], bool]) -> bytes:
+        """Hand the body as it arrives to ``sink``, called from the connection's ``data_received``
+        with what one read brought (no task woken, no coroutine per piece), until the end (b""), a
+        piece ``sink`` refuses (returned, for the caller to send its own way, e.g. waiting for the
+        client to drain) or the answer's error (raised). ``sink`` returns False to refuse a piece and
+        must not raise; the bytes it took are added to ``spliced``."""
+        while (data := self.take()) is None:
+            self._sink = sink
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                self._sink = None
         return data
 
     async def iter_any(self) -> AsyncIterator[bytes]:
@@ -159,6 +187,12 @@ class _Conn(asyncio.Protocol):
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
+        # The body pieces of the answer in progress (its Response reads them): httptools takes its
+        # callbacks when the parser is made, so ``on_body`` is this deque's own ``append``, called from
+        # C with no Python frame per piece (an SSE stream is a piece per event).
+        self.body: collections.deque[bytes] = collections.deque()
+        self.on_body = self.body.append
+        self._complete_at = 0  # pieces in ``body`` when the answer ended, in the read that ended it
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.head: asyncio.Future[None] | None = None
@@ -223,12 +257,16 @@ class _Conn(asyncio.Protocol):
             w.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self.response is None:  # nothing asked: the connection is out of step; drop it
+        resp = self.response
+        if resp is None:  # nothing asked: the connection is out of step; drop it
             self.transport.close()  # type: ignore[union-attr]
             return
         self.answered = True
         if self._deadline is not None:
             self._deadline = self.loop.time() + self.pool.read_timeout_s  # type: ignore[operator]
+        body = self.body
+        before = len(body)
+        ended = self._complete
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -236,8 +274,33 @@ class _Conn(asyncio.Protocol):
                 self._fail(aiohttp.ClientPayloadError(f"the engine's answer is not HTTP/1.1: {e}"))
                 return
             self.reusable = False  # junk after a whole answer: the answer stands, the connection goes
+        if len(body) != before:
+            if ended or self._complete:
+                # Pieces past the answer's end (a second answer, a HEAD answer's announced body) are
+                # not this answer's: ``on_body`` appends without looking (no reader ran in between).
+                keep = before if ended else self._complete_at
+                while len(body) > keep:
+                    body.pop()
+            if len(body) != before:
+                self._received(resp, before, len(data))
         if self._complete:
             self._finished()
+
+    def _received(self, resp: Response, before: int, size: int) -> None:
+        """New body pieces: to the response's sink when it splices and has nothing unread before them,
+        else left for its reader (woken), reading paused above ``BUFFER_HIGH`` bytes unread."""
+        sink = resp._sink
+        if sink is not None and not before:
+            body = self.body
+            data = body[0] if len(body) == 1 else b"".join(body)
+            if sink(data):
+                body.clear()
+                resp.spliced += len(data)
+                return
+        resp._size += size
+        if resp._size > BUFFER_HIGH:
+            self.pause()
+        resp._wake()
 
     # -- httptools ----------------------------------------------------------------------------------
 
@@ -272,10 +335,7 @@ class _Conn(asyncio.Protocol):
             self.head.set_result(None)
         if self.bodiless:  # httptools cannot be told a HEAD answer has no body: it ends here
             self._complete = True
-
-    def on_body(self, body: bytes) -> None:
-        if not self._complete:
-            self.response._data(body)  # type: ignore[union-attr]
+            self._complete_at = len(self.body)
 
     def on_message_complete(self) -> None:
         if self._stray:
@@ -286,11 +346,13 @@ class _Conn(asyncio.Protocol):
         # httptools answers should_keep_alive() truly only inside this callback.
         self.reusable = self.parser.should_keep_alive() and not self.bodiless
         self._complete = True
+        self._complete_at = len(self.body)
 
     # -- the exchange -------------------------------------------------------------------------------
 
     def send(self, head: bytes, response: Response, bodiless: bool) -> asyncio.Future[None]:
         self.response = response
+        self.body.clear()  # nothing of an earlier answer (a pooled connection's is read to its end)
         self.bodiless = bodiless
         self.reusable = self.answered = self._stray = False
         self._headers = []

@@ -43,7 +43,7 @@ from sidecar.http.answers import (
 from sidecar.http.asgi import Receive, Scope, Send
 from sidecar.http.engine_client import UpstreamClient
 from sidecar.http.hosts import json_body_refusal
-from sidecar.http.server import DISCONNECT_WATCH
+from sidecar.http.server import BODY_WRITER, DISCONNECT_WATCH
 from sidecar.intake.body import PRIORITY_HEADERS, BadRequest, GenerationRequest, parse_generation
 from sidecar.intake.demand import demand_of
 from sidecar.intake.gateway import gateway_fields_in, without_fields
@@ -481,6 +481,13 @@ class Proxy:
                 # what has arrived already without a coroutine (a small answer: all of it).
                 take = resp.take if lean else _nothing_taken
                 read = resp.content.readany
+                # Past the first piece, a lean response hands each read's pieces straight to the
+                # server's writer (server.BodyWriter) from its connection's callback (``splice``): a
+                # stream's event wakes no task and sends no message (issue #27). Only where the relay
+                # goes to the server's own send anyway (the access log's note); a piece the writer
+                # refuses (the client not draining, a length-framed answer) comes back to ``relay``.
+                writer = scope.get(BODY_WRITER) if lean and note is not None else None
+                splice = resp.splice if writer is not None else None
                 relayed = 0
                 try:
                     chunk = take()
@@ -502,9 +509,11 @@ class Proxy:
                         await relay({"type": "http.response.body", "body": chunk, "more_body": True})
                         chunk = take()
                         if chunk is None:
-                            chunk = await read()
+                            chunk = await read() if splice is None else await splice(writer)
                 finally:
                     if note is not None:
+                        if splice is not None:
+                            relayed += resp.spliced
                         note["body_bytes"] = note.get("body_bytes", 0) + relayed
                 await relay({"type": "http.response.body", "body": b""})
                 if handle is not None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import uvicorn
+from uvicorn.logging import TRACE_LOG_LEVEL
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
@@ -104,6 +105,40 @@ def fit_to_descriptors(
 
 # The scope key under which the guarded protocol offers watch_disconnect / unwatch_disconnect.
 DISCONNECT_WATCH = "sidecar.disconnect_watch"
+# The scope key under which it offers a writer of the response's body pieces (``BodyWriter``).
+BODY_WRITER = "sidecar.body_writer"
+
+
+class BodyWriter:
+    """Writes a body piece of one request's response to its connection as uvicorn's ``send`` writes a
+    ``more_body`` piece of a chunked answer, from a plain call: no message dict, no coroutine, none of
+    ``send``'s checks per piece. The proxy's relay hands a stream's pieces to it from the engine
+    connection's own callback, so a relayed event wakes no task (issue #27).
+
+    Refuses (returns False, writes nothing) whatever ``send`` must handle itself: a response not
+    started or already complete, one not chunked (a Content-Length, a HEAD), a client gone or a
+    transport closing, and a client not keeping up (the transport paused writing: ``send`` waits for
+    it to drain). Never raises: it runs inside another connection's ``data_received``."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def __call__(self, data: bytes) -> bool:
+        c = self._cycle
+        if (
+            c.chunked_encoding is not True
+            or c.response_complete
+            or c.disconnected
+            or c.flow.write_paused
+            or c.transport.is_closing()
+        ):
+            return False
+        c.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -126,6 +161,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # At uvicorn's trace level its message logger wraps the app's send: every body piece is
+        # logged through it, so no ``BodyWriter`` goes around it.
+        self._body_writer = self.logger.getEffectiveLevel() > TRACE_LOG_LEVEL
         self._in_headers = True
         self._header_bytes = 0
         self._header_due: float | None = None
@@ -306,6 +344,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_due = None
         self.scope[DISCONNECT_WATCH] = self  # type: ignore[literal-required]
         super().on_headers_complete()
+        cycle = self.cycle
+        if self._body_writer and cycle is not None and cycle.scope is self.scope:  # not an upgrade
+            self.scope[BODY_WRITER] = BodyWriter(cycle)  # type: ignore[literal-required]
         self._arm_body_gap()
 
     def on_body(self, body: bytes) -> None:
