@@ -11,7 +11,8 @@ lengths; the slope is the relay's per event, the intercept the stream's own).
   httptools protocol and its disconnect watch, ``uvicorn_options``, the overhead benchmark's policy,
   a gated streaming ``POST /generate``) or ``floor`` (``bench/floor_proxy.py``'s ``LeanFloor`` under
   the plain uvicorn + httptools it runs under: the same lean upstream client, relaying with
-  ``iter_any``);
+  ``iter_any``); ``direct``: no proxy, the client reads the upstream itself (the harness's own cost,
+  to subtract);
 * the upstream: ``/generate?events=N`` framed as ``bench/upstream.py`` under uvicorn frames it (a
   chunked SSE stream, one HTTP chunk per event, ``data: [DONE]`` and the last chunk in one write),
   ``--per-turn K`` events written per loop turn (1: each event alone, so the proxy relays one message
@@ -246,6 +247,21 @@ def _counting() -> dict[str, int]:
     return counts
 
 
+async def _streams(
+    loop: Any, port: int, request: bytes, warm: int, streams: int, counts: dict[str, int] | None
+) -> None:
+    """``warm`` streams on one connection, then ``streams`` on another (the counters reset between)."""
+    for n in (warm, streams):
+        if not n:
+            continue
+        if counts is not None:
+            counts.update(dict.fromkeys(counts, 0))
+        done = loop.create_future()
+        t, _ = await loop.create_connection(lambda n=n, d=done: Client(request, n, d), "127.0.0.1", port)
+        await done
+        t.close()
+
+
 async def main(kind: str, events: int, streams: int, per_turn: int, warm: int, count: bool) -> None:
     import uvicorn
 
@@ -253,7 +269,12 @@ async def main(kind: str, events: int, streams: int, per_turn: int, warm: int, c
     loop = asyncio.get_running_loop()
     Upstream.per_turn = per_turn
     up = await loop.create_server(Upstream, "127.0.0.1", 0)
-    app, options = build(kind, f"http://127.0.0.1:{up.sockets[0].getsockname()[1]}")
+    up_port = up.sockets[0].getsockname()[1]
+    if kind == "direct":
+        await _streams(loop, up_port, request_bytes(events), warm, streams, counts)
+        up.close()
+        return
+    app, options = build(kind, f"http://127.0.0.1:{up_port}")
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", **options))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     stop = asyncio.Event()
@@ -273,24 +294,15 @@ async def main(kind: str, events: int, streams: int, per_turn: int, warm: int, c
             await asyncio.sleep(0.01)
         await _quiet_decision_log(app)
     port = server.servers[0].sockets[0].getsockname()[1]
-    request = request_bytes(events)
-    for n in (warm, streams):
-        if not n:
-            continue
-        if counts is not None:
-            counts.update(dict.fromkeys(counts, 0))
-        done = loop.create_future()
-        t, _ = await loop.create_connection(lambda n=n, d=done: Client(request, n, d), "127.0.0.1", port)
-        await done
-        t.close()
+    await _streams(loop, port, request_bytes(events), warm, streams, counts)
     if counts is not None:
-        per = {k: v / streams for k, v in counts.items()}
         import sidecar
 
+        per = {k: v / streams for k, v in counts.items()}
         print(
-            f"{kind} ({Path(sidecar.__file__).parents[1]}) events={events} per_turn={per_turn}: per stream {per['reads']:.1f} reads from the "
-            f"upstream, {per['messages']:.1f} body messages to the client ({per['bytes']:.0f} bytes); "
-            f"events per message {(events + 1) / max(per['messages'], 1e-9):.2f}"
+            f"{kind} ({Path(sidecar.__file__).parents[1]}) events={events} per_turn={per_turn}: per stream "
+            f"{per['reads']:.1f} reads from the upstream, {per['messages']:.1f} body messages to the client "
+            f"({per['bytes']:.0f} bytes); events per message {(events + 1) / max(per['messages'], 1e-9):.2f}"
         )
     server.should_exit = True
     stop.set()
@@ -300,7 +312,7 @@ async def main(kind: str, events: int, streams: int, per_turn: int, warm: int, c
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=("sidecar", "floor"))
+    ap.add_argument("kind", choices=("sidecar", "floor", "direct"))
     ap.add_argument("events", type=int)
     ap.add_argument("streams", type=int)
     ap.add_argument(

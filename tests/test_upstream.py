@@ -715,3 +715,100 @@ async def test_a_304_and_a_head_answer_end_at_their_head_whatever_length_they_an
         assert e.connections == 1  # a 304 is a whole answer: its connection is reused
         assert await get(c, e.url + "/head", "HEAD") == (200, b"")
         assert not c._idle  # after HEAD the parser cannot be trusted with the connection: closed
+
+
+# -- splice: the body handed to a sink from the connection's callback (issue #27) --------------------
+
+
+def _stepped(pieces: list[bytes], steps: asyncio.Queue[str]) -> Answer:
+    """A chunked answer whose pieces go out one per step the test puts: ``piece``, ``end`` (the last
+    chunk; the connection kept) or ``die`` (the connection closes mid-answer)."""
+
+    async def answer(reader: Any, writer: asyncio.StreamWriter, req: dict[str, Any]) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for p in pieces:
+            if await steps.get() == "die":
+                return False
+            writer.write(b"%x\r\n%s\r\n" % (len(p), p))
+            await writer.drain()
+        if await steps.get() == "die":
+            return False
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    return answer
+
+
+async def test_a_spliced_body_goes_to_the_sink_read_by_read_and_the_reader_wakes_at_the_end() -> None:
+    steps: asyncio.Queue[str] = asyncio.Queue()
+    taken: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        taken.append(data)
+        return True
+
+    async with engine(_stepped([b"one", b"two", b"three"], steps)) as e, client(e.url) as c:
+        async with c.request("GET", e.url + "/stream") as r:
+            steps.put_nowait("piece")
+            assert await r.readany() == b"one"  # read as ever before the splice
+            spliced = asyncio.create_task(r.splice(sink))
+            for n, piece in enumerate((b"two", b"three"), 1):
+                steps.put_nowait("piece")
+                await eventually(lambda n=n: len(taken) == n)
+                assert taken[-1] == piece and not spliced.done()  # taken without waking the reader
+            steps.put_nowait("end")
+            assert await spliced == b""
+            assert r.spliced == len(b"twothree") and r.complete
+        assert len(c._idle) == 1  # read to its end: pooled
+
+
+async def test_a_piece_the_sink_refuses_comes_back_to_the_reader_in_order_and_a_break_raises() -> None:
+    steps: asyncio.Queue[str] = asyncio.Queue()
+    taken: list[bytes] = []
+    refuse = {b"two"}
+
+    def sink(data: bytes) -> bool:
+        if data in refuse:
+            return False
+        taken.append(data)
+        return True
+
+    async with engine(_stepped([b"one", b"two", b"three"], steps)) as e, client(e.url) as c:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with c.request("GET", e.url + "/stream") as r:
+                steps.put_nowait("piece")
+                steps.put_nowait("piece")
+                got = await r.readany()
+                if got == b"one":
+                    assert await r.splice(sink) == b"two"  # refused: the reader sends it its own way
+                else:
+                    assert got == b"onetwo"  # both came in one read
+                steps.put_nowait("piece")
+                spliced = asyncio.create_task(r.splice(sink))
+                await eventually(lambda: taken == [b"three"])
+                assert r.spliced == len(b"three")
+                steps.put_nowait("die")
+                await spliced
+    assert not c._idle and not c._busy
+
+
+async def test_a_second_answer_arriving_after_the_first_was_read_is_not_read_as_its_body() -> None:
+    extra = asyncio.Event()
+
+    async def then_more(reader: Any, writer: asyncio.StreamWriter, req: dict[str, Any]) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await extra.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")
+        await writer.drain()
+        await reader.read()
+        return False
+
+    async with engine(then_more) as e, client(e.url) as c:
+        async with c.request("GET", e.url + "/x") as r:
+            assert await r.readany() == b"ok"
+            extra.set()
+            await eventually(lambda: r._conn._stray)  # it came, in a read of its own
+            assert await r.readany() == b"" and r.take() == b""
+        assert not c._idle  # out of step: never pooled

@@ -274,29 +274,31 @@ class _Conn(asyncio.Protocol):
                 self._fail(aiohttp.ClientPayloadError(f"the engine's answer is not HTTP/1.1: {e}"))
                 return
             self.reusable = False  # junk after a whole answer: the answer stands, the connection goes
-        if len(body) != before:
+        n = len(body)
+        if n != before:
             if ended or self._complete:
                 # Pieces past the answer's end (a second answer, a HEAD answer's announced body) are
                 # not this answer's: ``on_body`` appends without looking (no reader ran in between).
                 keep = before if ended else self._complete_at
                 while len(body) > keep:
                     body.pop()
-            if len(body) != before:
-                self._received(resp, before, len(data))
+                n = len(body)
+            if n != before:
+                # All unread pieces, in order, to the response's sink when it splices (in this frame:
+                # a stream's every read comes here); else, or refused, to its reader.
+                sink = resp._sink
+                piece = None if sink is None else body[0] if n == 1 else b"".join(body)
+                if piece is not None and sink(piece):  # type: ignore[misc]
+                    body.clear()
+                    resp._size = 0
+                    resp.spliced += len(piece)
+                else:
+                    self._unread(resp, len(data))
         if self._complete:
             self._finished()
 
-    def _received(self, resp: Response, before: int, size: int) -> None:
-        """New body pieces: to the response's sink when it splices and has nothing unread before them,
-        else left for its reader (woken), reading paused above ``BUFFER_HIGH`` bytes unread."""
-        sink = resp._sink
-        if sink is not None and not before:
-            body = self.body
-            data = body[0] if len(body) == 1 else b"".join(body)
-            if sink(data):
-                body.clear()
-                resp.spliced += len(data)
-                return
+    def _unread(self, resp: Response, size: int) -> None:
+        """New pieces for the reader: woken, and reading paused above ``BUFFER_HIGH`` bytes unread."""
         resp._size += size
         if resp._size > BUFFER_HIGH:
             self.pause()
