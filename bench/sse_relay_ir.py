@@ -290,7 +290,10 @@ async def main(kind: str, events: int, streams: int, per_turn: int, warm: int, c
     while not server.started:
         await asyncio.sleep(0.01)
     if kind == "sidecar":
+        deadline = loop.time() + 120
         while app.admission.snapshot.engine is None or app.admission.snapshot.gpu is None:
+            if loop.time() > deadline:  # a first poll that timed out is retried only at the interval
+                raise SystemExit("no signals: the pollers' first reads failed (a loaded machine?); run again")
             await asyncio.sleep(0.01)
         await _quiet_decision_log(app)
     port = server.servers[0].sockets[0].getsockname()[1]
