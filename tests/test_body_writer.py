@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.http.server import BODY_WRITER, BodyWriter, ServingLimits
+from sidecar.http.server import DISCONNECT_WATCH, BodyWriter, ServingLimits
 from tests.harness import FakeEngine, answer_lifespan, eventually, gen, lane, read_body, serve
 
 
@@ -26,7 +26,8 @@ class WriterApp:
         if scope["type"] == "lifespan":
             await answer_lifespan(receive, send)
             return
-        write = scope[BODY_WRITER]
+        write = scope[DISCONNECT_WATCH].body_writer(send)
+        assert scope[DISCONNECT_WATCH].body_writer(lambda m: send(m)) is None  # not the server's send
         await read_body(receive)
         path = scope["path"]
         said = self.said[f"{scope['method']} {path}"] = [write(b"early")]  # not started: refused

@@ -43,7 +43,7 @@ from sidecar.http.answers import (
 from sidecar.http.asgi import Receive, Scope, Send
 from sidecar.http.engine_client import UpstreamClient
 from sidecar.http.hosts import json_body_refusal
-from sidecar.http.server import BODY_WRITER, DISCONNECT_WATCH
+from sidecar.http.server import DISCONNECT_WATCH
 from sidecar.intake.body import PRIORITY_HEADERS, BadRequest, GenerationRequest, parse_generation
 from sidecar.intake.demand import demand_of
 from sidecar.intake.gateway import gateway_fields_in, without_fields
@@ -486,7 +486,8 @@ class Proxy:
                 # stream's event wakes no task and sends no message (issue #27). Only where the relay
                 # goes to the server's own send anyway (the access log's note); a piece the writer
                 # refuses (the client not draining, a length-framed answer) comes back to ``relay``.
-                writer = scope.get(BODY_WRITER) if lean and note is not None else None
+                watch = scope.get(DISCONNECT_WATCH) if lean and note is not None else None
+                writer = watch.body_writer(relay) if hasattr(watch, "body_writer") else None
                 splice = resp.splice if writer is not None else None
                 relayed = 0
                 try:

@@ -105,8 +105,6 @@ def fit_to_descriptors(
 
 # The scope key under which the guarded protocol offers watch_disconnect / unwatch_disconnect.
 DISCONNECT_WATCH = "sidecar.disconnect_watch"
-# The scope key under which it offers a writer of the response's body pieces (``BodyWriter``).
-BODY_WRITER = "sidecar.body_writer"
 
 
 class BodyWriter:
@@ -222,6 +220,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # As receive() does before it waits: a transport paused by a large body must read again, or
         # the client's FIN would go unseen.
         self.flow.resume_reading()
+
+    def body_writer(self, send: Any) -> BodyWriter | None:
+        """A ``BodyWriter`` for the response that ``send`` (the server's own, as the app was given it)
+        sends on this connection; None when ``send`` is not that (a wrapper's), or at uvicorn's trace
+        level. Made on demand, held by the caller alone: kept in the scope, writer -> cycle -> scope
+        would be a reference cycle per request, left for the garbage collector."""
+        cycle = getattr(send, "__self__", None)
+        if not self._body_writer or getattr(cycle, "transport", None) is not self.transport:
+            return None
+        return BodyWriter(cycle)
 
     def unwatch_disconnect(self, callback: Callable[[], None]) -> None:
         if self._on_lost is callback:  # a later request on this connection may have its own by now
@@ -344,9 +352,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_due = None
         self.scope[DISCONNECT_WATCH] = self  # type: ignore[literal-required]
         super().on_headers_complete()
-        cycle = self.cycle
-        if self._body_writer and cycle is not None and cycle.scope is self.scope:  # not an upgrade
-            self.scope[BODY_WRITER] = BodyWriter(cycle)  # type: ignore[literal-required]
         self._arm_body_gap()
 
     def on_body(self, body: bytes) -> None:
