@@ -168,6 +168,14 @@ class Response:
                 self._sink = None
         return data
 
+    async def splice_via(self, server: Any, send: Any) -> bytes:
+        """:meth:`splice` to the writer ``server`` makes for ``send`` (``server.body_writer(send)``,
+        as the sidecar's guarded protocol offers one), else :meth:`readany`. Asked when the reader
+        would wait, so an answer read whole at once (a small one) makes no writer."""
+        make = getattr(server, "body_writer", None)
+        writer = None if make is None else make(send)
+        return await (self.readany() if writer is None else self.splice(writer))
+
     async def iter_any(self) -> AsyncIterator[bytes]:
         while data := await self.readany():
             yield data

@@ -486,9 +486,7 @@ class Proxy:
                 # stream's event wakes no task and sends no message (issue #27). Only where the relay
                 # goes to the server's own send anyway (the access log's note); a piece the writer
                 # refuses (the client not draining, a length-framed answer) comes back to ``relay``.
-                watch = scope.get(DISCONNECT_WATCH) if lean and note is not None else None
-                writer = watch.body_writer(relay) if hasattr(watch, "body_writer") else None
-                splice = resp.splice if writer is not None else None
+                server = scope.get(DISCONNECT_WATCH) if lean and note is not None else None
                 relayed = 0
                 try:
                     chunk = take()
@@ -510,10 +508,10 @@ class Proxy:
                         await relay({"type": "http.response.body", "body": chunk, "more_body": True})
                         chunk = take()
                         if chunk is None:
-                            chunk = await read() if splice is None else await splice(writer)
+                            chunk = await read() if server is None else await resp.splice_via(server, relay)
                 finally:
                     if note is not None:
-                        if splice is not None:
+                        if server is not None:
                             relayed += resp.spliced
                         note["body_bytes"] = note.get("body_bytes", 0) + relayed
                 await relay({"type": "http.response.body", "body": b""})
