@@ -37,6 +37,7 @@ from sidecar.core.decide import (
     holds_behind,
     join_pending,
     join_settles,
+    make_situation,
     retry_after_s,
 )
 from sidecar.core.decision import Action, Decision, Reason
@@ -311,7 +312,7 @@ class Admission:
         clock's reading, when the caller has just taken it)."""
         rules, queue = self.rules, self._queue
         # Positional, in ``Situation``'s field order: built once per decision (issue #27).
-        return Situation(
+        return make_situation(
             rules,
             self.snapshot,
             self.ledger.totals,

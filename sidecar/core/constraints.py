@@ -22,6 +22,12 @@ from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import ExceedAction, LimitRules, Rules
 from sidecar.core.snapshot import EngineSignals
+from sidecar.core.values import positional
+
+# A Check from all six fields in order (name, ok, need, have, note, limit), for the verdicts built on
+# every decision: ``Check(...)`` through its slots' descriptors cost ~6.0k instructions, this ~2.6k,
+# four times per admission (issue #27, evidence QL1).
+_check = positional(Check)
 
 
 class Reading:
@@ -81,7 +87,7 @@ class VramHeadroom:
         need = r.charge.projected_bytes
         if r.headroom is None:
             return Check(self.reason._value_, True, need, None, "no GPU signal")
-        return Check(self.reason._value_, need <= r.headroom, need, r.headroom)
+        return _check(self.reason._value_, need <= r.headroom, need, r.headroom, "", "")
 
 
 class BatchJoin:
@@ -106,7 +112,7 @@ class BatchJoin:
         if r.headroom is None:
             return Check("batch_join", True, need, None, "no GPU signal")
         have = r.headroom + r.ledger.projected_bytes
-        return Check("batch_join", need <= have, need, have, f"joining {running - 1} running")
+        return _check("batch_join", need <= have, need, have, f"joining {running - 1} running", "")
 
 
 class JoinPending:
@@ -172,7 +178,7 @@ class KvPool:
         have = free - r.ledger.kv_tokens - kv.reserve_tokens
         need = r.charge.kv_tokens
         ok = need <= have and _usage_below(e.full_token_usage, kv.max_usage)
-        return Check(self.reason._value_, ok, need, have)
+        return _check(self.reason._value_, ok, need, have, "", "")
 
 
 class MambaSlots:
@@ -194,7 +200,7 @@ class MambaSlots:
             )
         have = e.mamba_available_slots + (e.mamba_evictable_slots or 0) - _mamba_claim(r) - m.reserve_slots
         ok = need <= have and _usage_below(e.mamba_usage, m.max_usage)
-        return Check(self.reason._value_, ok, need, have)
+        return _check(self.reason._value_, ok, need, have, "", "")
 
 
 def _mamba_claim(r: Reading) -> int:
@@ -241,7 +247,7 @@ class WorkAhead:
         ahead = booked if booked > reported else reported  # max(reported, booked): no builtin call
         need = ahead + self.share(r.charge)
         limit = self.section(r.rules).limit
-        return Check(self.reason._value_, ahead == 0 or need <= limit, need, limit)
+        return _check(self.reason._value_, ahead == 0 or need <= limit, need, limit, "", "")
 
 
 # Attribute getters (C calls, not lambdas: each check reads four of them per decision).

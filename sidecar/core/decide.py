@@ -50,6 +50,11 @@ class Situation:
     verifies_hits: bool = False
 
 
+# A Situation from its twelve fields in declaration order: what the controller builds for every
+# decision (``values.positional``: 3.5k instructions against 10.4k through ``Situation(...)``, QL1).
+make_situation = positional(Situation)
+
+
 def join_pending(s: Situation) -> bool:
     """Whether a streaming request's batch join may still be to come (``constraints.JoinPending``).
 
@@ -100,7 +105,7 @@ def decide(demand: Demand, s: Situation) -> Decision:
         if action is Action.ADMIT and s.ahead is not None and not rules.hold.backfill:
             action, reason, by = Action.HOLD, s.ahead, STRICT_ORDER
         if action is Action.ADMIT:  # the norm: nothing below applies to an admission
-            return Decision(action, None, None, headroom, checks, charge, by)
+            return _decision(action, None, None, headroom, checks, charge, by)
     if action is Action.HOLD and s.now >= demand.deadline:
         action, reason = Action.REJECT, Reason.HOLD_TIMEOUT
     elif action is Action.HOLD and not s.queued and s.held >= rules.hold.max_held:
@@ -115,8 +120,10 @@ def decide(demand: Demand, s: Situation) -> Decision:
     return Decision(action, reason, retry, headroom, checks, charge, by)
 
 
-# A Charge from its fields in declaration order (``values.positional``: keywords cost more per request).
+# A Charge and an admission's Decision from their fields in declaration order (``values.positional``:
+# through a twin class, ~2x cheaper than their ``__init__``, per gated request; evidence QL1).
 _charge = positional(Charge)
+_decision = positional(Decision)
 
 
 class _LaneView:
