@@ -70,6 +70,9 @@ class Constraint(Protocol):
         """The verdict, or None where the constraint does not apply to this lane."""
         ...
 
+    # Optional: ``applies(rules) -> bool``, False where ``check`` returns None under ``rules`` whatever
+    # the reading (``applicable``).
+
 
 def _usage_below(usage: float | None, limit: float) -> bool:
     return usage is None or usage < limit
@@ -103,6 +106,11 @@ class BatchJoin:
 
     def on_exceed(self, rules: Rules) -> ExceedAction:
         return rules.vram.on_exceed
+
+    def applies(self, rules: Rules) -> bool:
+        """A policy without a join term never gets this check (``join_bytes`` is 0 at any count)."""
+        cost = rules.cost
+        return bool(cost.batch_join_bytes or cost.batch_join_bytes_per_running_request)
 
     def check(self, demand: Demand, r: Reading) -> Check | None:
         running = r.ledger.running_requests + 1
@@ -189,6 +197,10 @@ class MambaSlots:
     def on_exceed(self, rules: Rules) -> ExceedAction:
         return rules.mamba.on_exceed if rules.mamba is not None else ExceedAction.HOLD
 
+    def applies(self, rules: Rules) -> bool:
+        """A lane without a Mamba pool in its policy never gets this check."""
+        return rules.mamba is not None
+
     def check(self, demand: Demand, r: Reading) -> Check | None:
         m, e, need = r.rules.mamba, r.engine, r.charge.mamba_slots
         if m is None or not need:
@@ -266,3 +278,11 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     ENGINE_QUEUE,
     PENDING_PREFILL,
 )
+
+
+def applicable(rules: Rules, among: tuple[Constraint, ...] = CONSTRAINTS) -> tuple[Constraint, ...]:
+    """``among`` less those that never apply under ``rules`` (their ``applies``: no join term, no
+    Mamba pool), in the same order: what ``decide`` asks, once per rules (``decide._LaneView``), not
+    two calls per decision that return None (issue #27). The checks and their order are unchanged
+    (``tests/test_core_lane_view.py`` compares decisions with every constraint asked)."""
+    return tuple(c for c in among if getattr(c, "applies", None) is None or c.applies(rules))  # type: ignore[attr-defined]

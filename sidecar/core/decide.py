@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from sidecar.core.constraints import CONSTRAINTS, Reading
+from sidecar.core.constraints import CONSTRAINTS, Reading, applicable
 from sidecar.core.decision import STRICT_ORDER, Action, Charge, Check, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
@@ -138,6 +138,7 @@ class _LaneView:
 
     __slots__ = (
         "cap",
+        "constraints",
         "context_len",
         "engine",
         "engine_blinds",
@@ -194,6 +195,8 @@ class _LaneView:
         self.mamba_have = math.inf if slots is None or m is None else slots - m.reserve_slots
         cap = v.transient_cap()
         self.cap = math.inf if cap is None else cap
+        # The constraints that can give a check under these rules, in order (``constraints.applicable``).
+        self.constraints = applicable(rules, CONSTRAINTS)
 
     def maybe_unfit(self, demand: Demand, charge: Charge) -> bool:
         """False where ``_unfit`` finds nothing for sure: the request is within every limit it reads."""
@@ -361,7 +364,7 @@ def _judge(
     )
     checks: list[Check] = []
     failed: tuple[Reason, ExceedAction, str] | None = None
-    for c in CONSTRAINTS:
+    for c in lane.constraints:  # CONSTRAINTS less those that never apply under these rules
         check = c.check(demand, reading)
         if check is None:
             continue
