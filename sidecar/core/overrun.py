@@ -189,7 +189,7 @@ def final_bytes(d: Demand, cost: CostModel) -> int:
     when that is larger. What the monitor expects from a prefill that ended (``LaneWatch.left``)."""
     # ``project_at_progress(cost, prompt, uncached, chunk, prompt, 0)`` without its frame and its
     # clamps (this runs at every gated request's first byte, issue #27): with all of the prompt done
-    # its context is the whole prompt (``tests/test_overrun.py`` compares the two).
+    # its context is the whole prompt (``tests/test_core_overrun.py`` compares the two).
     u, chunk = d.uncached_tokens, d.chunk_size
     at_end = project_shape(cost, d.prompt_tokens, u, (u if u < chunk else chunk) or 1)
     # max(projected, at_end), without a builtin call.
