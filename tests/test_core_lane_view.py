@@ -14,7 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.core import demand
-from sidecar.core.decide import Situation, _blindness, _lane_view, _LaneView, _unfit, charge_of, decide
+from sidecar.core.constraints import CONSTRAINTS, Reading
+from sidecar.core.decide import (
+    Situation,
+    _blindness,
+    _judge,
+    _lane_view,
+    _LaneView,
+    _unfit,
+    charge_of,
+    decide,
+)
 from sidecar.core.decision import Action, Charge
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import MambaRules
@@ -121,3 +131,68 @@ def test_the_view_is_taken_once_per_rules_and_snapshot() -> None:
     assert _lane_view(BASE, snapshot(NOW)) is not view
     assert _lane_view(MAMBA, snap) is not view
     assert isinstance(charge_of(demand.build(BASE, 10, arrived_at=NOW), BASE, snap), Charge)
+
+
+JOIN = replace(BASE, cost=replace(BASE.cost, batch_join_bytes=4096, batch_join_bytes_per_running_request=512))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    join=st.booleans(),
+    mamba=st.booleans(),
+    ledger=st.tuples(small, small, small, small, small, small),
+    engine=st.tuples(maybe, maybe, maybe, st.booleans()),
+    ask=st.tuples(small, small, small, small, st.booleans()),
+    headroom=maybe,
+)
+def test_the_constraints_the_view_leaves_out_never_give_a_check(
+    join, mamba, ledger, engine, ask, headroom
+) -> None:
+    """``_LaneView.constraints`` (``constraints.applicable``) leaves out a constraint only where its
+    ``check`` gives nothing under the rules, whatever the reading: ``_judge`` over it decides as over
+    every constraint, with the same checks in the same order."""
+    r = MAMBA if mamba else BASE
+    # A lane with Mamba slots either way: the charge asks for them, whether the policy checks them or not.
+    r = replace(r, lane=replace(r.lane, mamba_slots=16))
+    if join:
+        r = replace(r, cost=JOIN.cost)
+    requests, running, slots, running_slots, own, projected = ledger
+    totals = LedgerTotals(
+        requests=requests,
+        running_requests=requests + running,
+        mamba_slots=slots,
+        running_mamba_slots=slots + running_slots,
+        own_prefills=own % 2,
+        projected_bytes=projected * 1024,
+    )
+    available, evictable, queue, fresh = engine
+    snap = with_engine(
+        snapshot(NOW if fresh else NOW - 10_000),
+        mamba_available_slots=available,
+        mamba_evictable_slots=evictable,
+        queue_requests=queue,
+    )
+    uncached, slots_needed, sequences, projected_ask, settling = ask
+    d = replace(
+        demand.build(r, 10, arrived_at=NOW),
+        uncached_tokens=uncached,
+        kv_tokens=uncached + 1,
+        mamba_slots=slots_needed,
+        sequences=sequences,
+        projected_bytes=projected_ask * 1024,
+    )
+    s = Situation(r, snap, totals, NOW, join_settles_at=NOW + 1 if settling else None)
+    view = _LaneView(r, snap)
+    every = _LaneView(r, snap)
+    every.constraints = CONSTRAINTS
+    assert view.constraints == tuple(c for c in CONSTRAINTS if c in view.constraints)  # the same order
+    reading = Reading(
+        r, snap.engine, None if headroom is None else headroom * 1024, totals, charge_of(d, r, snap)
+    )
+    for c in CONSTRAINTS:
+        if c not in view.constraints:
+            assert c.check(d, reading) is None
+    charge = charge_of(d, r, snap)
+    h = None if headroom is None else headroom * 1024
+    assert _judge(d, s, view, charge, h) == _judge(d, s, every, charge, h)
+    assert (join or mamba) or len(view.constraints) == len(CONSTRAINTS) - 2  # the shortcut is taken

@@ -866,6 +866,22 @@ def test_final_bytes_is_the_last_chunk_s_peak_under_the_cost_or_as_admitted_when
     assert final_bytes(d, replace(r.cost, margin=0.5)) == 5_000 * KIB
 
 
+@pytest.mark.parametrize("margin", [0.5, 1.0, 1.5])
+def test_final_bytes_is_project_at_progress_with_the_whole_prompt_done(margin: float) -> None:
+    """``final_bytes`` projects the whole prompt's context directly (no frame, no clamps: issue #27):
+    the same figure as the plain path, ``project_at_progress`` with every prompt token done, on every
+    shape (single and many chunks, cached, fully cached, a chunk larger than the prompt)."""
+    r = rules()
+    cost = replace(r.cost, margin=margin)
+    for prompt in (1, 7, 999, 1_000, 1_001, 4_000, 12_345):
+        for cached in sorted({0, 1, prompt // 2, prompt - 1, prompt}):
+            for chunk in (1, 64, 1_000, 8_192, 100_000):
+                d = replace(ask(r, prompt, "a", cached=cached), chunk_size=chunk)
+                u = d.uncached_tokens
+                plain = project_at_progress(cost, d.prompt_tokens, u, chunk, d.prompt_tokens, 0)
+                assert final_bytes(d, cost) == max(d.projected_bytes, plain), (prompt, cached, chunk)
+
+
 # -- the guard's wiring in Admission: what each snapshot feeds it, what an abort records ------------------
 
 

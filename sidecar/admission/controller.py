@@ -37,6 +37,7 @@ from sidecar.core.decide import (
     holds_behind,
     join_pending,
     join_settles,
+    make_situation,
     retry_after_s,
 )
 from sidecar.core.decision import Action, Decision, Reason
@@ -311,7 +312,7 @@ class Admission:
         clock's reading, when the caller has just taken it)."""
         rules, queue = self.rules, self._queue
         # Positional, in ``Situation``'s field order: built once per decision (issue #27).
-        return Situation(
+        return make_situation(
             rules,
             self.snapshot,
             self.ledger.totals,
@@ -323,8 +324,11 @@ class Admission:
             queue.tokens - own_tokens,  # held_tokens
             self.prefill_rate.tokens_per_s,
             self._join_at,  # join_settles_at
-            # verifies_hits
-            rules.experimental.own_schedule_pricing and self._guarding and self.progress.counter is not None,
+            # verifies_hits (``_guarding`` spelt out: a property call per decision)
+            rules.experimental.own_schedule_pricing
+            and not self.shadow
+            and rules.guard.enabled
+            and self.progress.counter is not None,
         )
 
     # -- the request path -------------------------------------------------------------------------
@@ -493,7 +497,11 @@ class Admission:
         if h.demand is not None or h.outcome is not None:
             raise RuntimeError("a handle submits once, before it ends")
         h.demand = demand
-        h.sort_key = self._sort_key(demand)
+        # ``_sort_key(demand)``, inline (every gated request).
+        h.sort_key = (
+            demand.priority if self.rules.hold.low_priority_values_first else -demand.priority,
+            next(self._seq),
+        )
         # One reading of the clock: the decision's instant, its wait, and (admitted) its charge's.
         now = self.clock.now()
         h.waited_s = now - demand.arrived_at

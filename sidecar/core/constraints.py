@@ -22,6 +22,12 @@ from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import ExceedAction, LimitRules, Rules
 from sidecar.core.snapshot import EngineSignals
+from sidecar.core.values import positional
+
+# A Check from all six fields in order (name, ok, need, have, note, limit), for the verdicts built on
+# every decision: ``Check(...)`` through its slots' descriptors cost ~6.0k instructions, this ~2.6k,
+# four times per admission (issue #27, evidence QL1).
+_check = positional(Check)
 
 
 class Reading:
@@ -64,6 +70,9 @@ class Constraint(Protocol):
         """The verdict, or None where the constraint does not apply to this lane."""
         ...
 
+    # Optional: ``applies(rules) -> bool``, False where ``check`` returns None under ``rules`` whatever
+    # the reading (``applicable``).
+
 
 def _usage_below(usage: float | None, limit: float) -> bool:
     return usage is None or usage < limit
@@ -81,7 +90,7 @@ class VramHeadroom:
         need = r.charge.projected_bytes
         if r.headroom is None:
             return Check(self.reason._value_, True, need, None, "no GPU signal")
-        return Check(self.reason._value_, need <= r.headroom, need, r.headroom)
+        return _check(self.reason._value_, need <= r.headroom, need, r.headroom, "", "")
 
 
 class BatchJoin:
@@ -98,6 +107,11 @@ class BatchJoin:
     def on_exceed(self, rules: Rules) -> ExceedAction:
         return rules.vram.on_exceed
 
+    def applies(self, rules: Rules) -> bool:
+        """A policy without a join term never gets this check (``join_bytes`` is 0 at any count)."""
+        cost = rules.cost
+        return bool(cost.batch_join_bytes or cost.batch_join_bytes_per_running_request)
+
     def check(self, demand: Demand, r: Reading) -> Check | None:
         running = r.ledger.running_requests + 1
         need = r.rules.cost.join_bytes(running)
@@ -106,7 +120,7 @@ class BatchJoin:
         if r.headroom is None:
             return Check("batch_join", True, need, None, "no GPU signal")
         have = r.headroom + r.ledger.projected_bytes
-        return Check("batch_join", need <= have, need, have, f"joining {running - 1} running")
+        return _check("batch_join", need <= have, need, have, f"joining {running - 1} running", "")
 
 
 class JoinPending:
@@ -172,7 +186,7 @@ class KvPool:
         have = free - r.ledger.kv_tokens - kv.reserve_tokens
         need = r.charge.kv_tokens
         ok = need <= have and _usage_below(e.full_token_usage, kv.max_usage)
-        return Check(self.reason._value_, ok, need, have)
+        return _check(self.reason._value_, ok, need, have, "", "")
 
 
 class MambaSlots:
@@ -182,6 +196,10 @@ class MambaSlots:
 
     def on_exceed(self, rules: Rules) -> ExceedAction:
         return rules.mamba.on_exceed if rules.mamba is not None else ExceedAction.HOLD
+
+    def applies(self, rules: Rules) -> bool:
+        """A lane without a Mamba pool in its policy never gets this check."""
+        return rules.mamba is not None
 
     def check(self, demand: Demand, r: Reading) -> Check | None:
         m, e, need = r.rules.mamba, r.engine, r.charge.mamba_slots
@@ -194,7 +212,7 @@ class MambaSlots:
             )
         have = e.mamba_available_slots + (e.mamba_evictable_slots or 0) - _mamba_claim(r) - m.reserve_slots
         ok = need <= have and _usage_below(e.mamba_usage, m.max_usage)
-        return Check(self.reason._value_, ok, need, have)
+        return _check(self.reason._value_, ok, need, have, "", "")
 
 
 def _mamba_claim(r: Reading) -> int:
@@ -241,7 +259,7 @@ class WorkAhead:
         ahead = booked if booked > reported else reported  # max(reported, booked): no builtin call
         need = ahead + self.share(r.charge)
         limit = self.section(r.rules).limit
-        return Check(self.reason._value_, ahead == 0 or need <= limit, need, limit)
+        return _check(self.reason._value_, ahead == 0 or need <= limit, need, limit, "", "")
 
 
 # Attribute getters (C calls, not lambdas: each check reads four of them per decision).
@@ -260,3 +278,11 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     ENGINE_QUEUE,
     PENDING_PREFILL,
 )
+
+
+def applicable(rules: Rules, among: tuple[Constraint, ...] = CONSTRAINTS) -> tuple[Constraint, ...]:
+    """``among`` less those that never apply under ``rules`` (their ``applies``: no join term, no
+    Mamba pool), in the same order: what ``decide`` asks, once per rules (``decide._LaneView``), not
+    two calls per decision that return None (issue #27). The checks and their order are unchanged
+    (``tests/test_core_lane_view.py`` compares decisions with every constraint asked)."""
+    return tuple(c for c in among if getattr(c, "applies", None) is None or c.applies(rules))  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from sidecar.core.constraints import CONSTRAINTS, Reading
+from sidecar.core.constraints import CONSTRAINTS, Reading, applicable
 from sidecar.core.decision import STRICT_ORDER, Action, Charge, Check, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
@@ -48,6 +48,11 @@ class Situation:
     # in-flight guard is on: a request that starts its own prefill batch may then be priced by its own
     # chunk schedule, the guard aborting it if the engine's hit turns out to move its chunks.
     verifies_hits: bool = False
+
+
+# A Situation from its twelve fields in declaration order: what the controller builds for every
+# decision (``values.positional``: 3.5k instructions against 10.4k through ``Situation(...)``, QL1).
+make_situation = positional(Situation)
 
 
 def join_pending(s: Situation) -> bool:
@@ -100,7 +105,7 @@ def decide(demand: Demand, s: Situation) -> Decision:
         if action is Action.ADMIT and s.ahead is not None and not rules.hold.backfill:
             action, reason, by = Action.HOLD, s.ahead, STRICT_ORDER
         if action is Action.ADMIT:  # the norm: nothing below applies to an admission
-            return Decision(action, None, None, headroom, checks, charge, by)
+            return _decision(action, None, None, headroom, checks, charge, by)
     if action is Action.HOLD and s.now >= demand.deadline:
         action, reason = Action.REJECT, Reason.HOLD_TIMEOUT
     elif action is Action.HOLD and not s.queued and s.held >= rules.hold.max_held:
@@ -115,8 +120,10 @@ def decide(demand: Demand, s: Situation) -> Decision:
     return Decision(action, reason, retry, headroom, checks, charge, by)
 
 
-# A Charge from its fields in declaration order (``values.positional``: keywords cost more per request).
+# A Charge and an admission's Decision from their fields in declaration order (``values.positional``:
+# through a twin class, ~2x cheaper than their ``__init__``, per gated request; evidence QL1).
 _charge = positional(Charge)
+_decision = positional(Decision)
 
 
 class _LaneView:
@@ -131,6 +138,7 @@ class _LaneView:
 
     __slots__ = (
         "cap",
+        "constraints",
         "context_len",
         "engine",
         "engine_blinds",
@@ -187,6 +195,8 @@ class _LaneView:
         self.mamba_have = math.inf if slots is None or m is None else slots - m.reserve_slots
         cap = v.transient_cap()
         self.cap = math.inf if cap is None else cap
+        # The constraints that can give a check under these rules, in order (``constraints.applicable``).
+        self.constraints = applicable(rules, CONSTRAINTS)
 
     def maybe_unfit(self, demand: Demand, charge: Charge) -> bool:
         """False where ``_unfit`` finds nothing for sure: the request is within every limit it reads."""
@@ -354,7 +364,7 @@ def _judge(
     )
     checks: list[Check] = []
     failed: tuple[Reason, ExceedAction, str] | None = None
-    for c in CONSTRAINTS:
+    for c in lane.constraints:  # CONSTRAINTS less those that never apply under these rules
         check = c.check(demand, reading)
         if check is None:
             continue

@@ -45,7 +45,20 @@ class Ledger:
     def charge(self, charge: Charge) -> int:
         key = next(self._ids)
         self._entries[key] = [charge, True]
-        self.totals = _added(self.totals, charge, prefill=1, running=1)
+        t, c = self.totals, charge
+        # ``_added(t, c, prefill=1, running=1)`` spelt out: no keyword call, no products (every
+        # admission; issue #27). ``tests/test_ledger_totals.py`` compares it with the generic sum.
+        self.totals = _totals(
+            t.prefill_tokens + c.prefill_tokens,
+            t.kv_tokens + c.kv_tokens,
+            t.projected_bytes + c.projected_bytes,
+            t.mamba_slots + c.mamba_slots,
+            t.own_prefills + c.own_prefills,
+            t.requests + 1,
+            t.sequences + c.sequences,
+            t.running_requests + 1,
+            t.running_mamba_slots + c.mamba_slots,
+        )
         return key
 
     def prefill_done(self, key: int) -> bool:
@@ -55,7 +68,19 @@ class Ledger:
         if entry is None or not entry[1]:
             return False
         entry[1] = False
-        self.totals = _added(self.totals, entry[0], prefill=-1, running=0)
+        t, c = self.totals, entry[0]
+        # ``_added(t, c, prefill=-1, running=0)`` spelt out, as in ``charge`` (every first byte).
+        self.totals = _totals(
+            t.prefill_tokens - c.prefill_tokens,
+            t.kv_tokens - c.kv_tokens,
+            t.projected_bytes - c.projected_bytes,
+            t.mamba_slots - c.mamba_slots,
+            t.own_prefills - c.own_prefills,
+            t.requests - 1,
+            t.sequences - c.sequences,
+            t.running_requests,
+            t.running_mamba_slots,
+        )
         return True
 
     def release(self, key: int) -> bool:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sidecar.core.cost import project_at_progress, project_own
+from sidecar.core.cost import project_at_progress, project_own, project_shape
 from sidecar.core.decide import headroom_bytes
 from sidecar.core.decision import Action, Check, Decision, Reason
 from sidecar.core.demand import Demand, reprice
@@ -187,8 +187,12 @@ def final_bytes(d: Demand, cost: CostModel) -> int:
     """The most :func:`in_flight_bytes` can ever count for this prefill: its last chunk's peak under
     ``cost`` (``project_at_progress`` grows with the progress to it), or as priced at its admission
     when that is larger. What the monitor expects from a prefill that ended (``LaneWatch.left``)."""
-    at_end = project_at_progress(cost, d.prompt_tokens, d.uncached_tokens, d.chunk_size, d.prompt_tokens, 0)
-    # max(projected, at_end), without a builtin call: this runs at every gated request's first byte.
+    # ``project_at_progress(cost, prompt, uncached, chunk, prompt, 0)`` without its frame and its
+    # clamps (this runs at every gated request's first byte, issue #27): with all of the prompt done
+    # its context is the whole prompt (``tests/test_core_overrun.py`` compares the two).
+    u, chunk = d.uncached_tokens, d.chunk_size
+    at_end = project_shape(cost, d.prompt_tokens, u, (u if u < chunk else chunk) or 1)
+    # max(projected, at_end), without a builtin call.
     return at_end if at_end > d.projected_bytes else d.projected_bytes
 
 
