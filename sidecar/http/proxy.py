@@ -30,7 +30,6 @@ from yarl import URL
 
 from sidecar.admission.controller import Admission, ClientGone, Handle, Outcome
 from sidecar.core.decision import Action
-from sidecar.core.demand import Demand
 from sidecar.http.access_log import ACCESS_NOTE
 from sidecar.http.answers import (
     Response,
@@ -145,6 +144,8 @@ class Proxy:
         # Gate work per loop turn (``_Turns``): a burst's first requests reach the engine, and their first
         # bytes the clients, while the rest are still to be decided.
         self.turns = _Turns()
+        # Held requests' futures, set by the gate's answer (``_held``, ``_answer``).
+        self._answers: dict[Handle, asyncio.Future[None]] = {}
         # What a gated request's intake takes from the policy in force (``_Intake``), per policy.
         self._intake = _Intake(None)
 
@@ -397,20 +398,26 @@ class Proxy:
         # Kept if the client (or a router) sent one; else SGLang's own `rid`; else a fresh one.
         rid = sent_id or (req.rid is not None and _usable_request_id(req.rid)) or new_request_id()
         stripped = None
-        if intake.gateway_work or (intake.rid_unique and req.rids):  # policy gateway_fields: most lanes none
-            try:
+        try:
+            # Policy gateway_fields: a body that sets none of the names (nearly every one) has nothing
+            # to refuse or strip (``gateway_fields_in``'s answer, ``()``, without its call).
+            if intake.gateway_work and not intake.gateway_names.isdisjoint(req.body_obj):
                 stripped = self._gateway_fields(req, body)
+            if intake.rid_unique and req.rids:
                 self._hold_rids(req, rids)
-            except BadRequest as e:
-                handle.end(Outcome.BAD_REQUEST)
-                await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
-                return None
-        # No coroutine where the count needs no wait (ids, the bound the gate takes, no tokenizer).
-        count = self.counter.count_now(req, admits=self._admits_now(req)) or await self.counter.count(req)
+        except BadRequest as e:
+            handle.end(Outcome.BAD_REQUEST)
+            await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
+            return None
+        # No coroutine where the count needs no wait (ids, the bound the gate takes, no tokenizer); the
+        # gate's callback only where the counter may ask it.
+        counter = self.counter
+        count = counter.count_now(req, admits=self._admits_now(req) if counter.asks_admits else None)
+        if count is None:
+            count = await counter.count(req)
         demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=rid)
-        answered = _submit(handle, demand)
-        if answered is not None:
-            await answered  # held: the gate answers later
+        if handle.submit(demand, self._answer) is Action.HOLD:
+            await self._held(handle)  # the gate answers later
         if not handle.admitted:
             assert handle.decision is not None
             answer = rejection_response(handle.decision, demand, handle.waited_s, a.policy.answers)
@@ -468,6 +475,29 @@ class Proxy:
         for r in req.rids:
             self._rids[r] = self._rids.get(r, 0) + 1
             rids.append(r)
+
+    async def _held(self, handle: Handle) -> None:
+        """Wait for the gate's answer (admit or refuse) to a held request: the future :meth:`_answer` sets.
+
+        A client that leaves while held cancels the task awaiting it, and the handle's exit records
+        ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or
+        a release pumped the queue before this task woke), or leaves the queue if not. Nothing can answer
+        a held handle between ``submit`` and this future's creation (no await between): the future is
+        made only for the few requests that wait, and the callback every ``submit`` takes is one bound
+        method of the proxy (a closure per request was per-request work for the few held; issue #27).
+        """
+        answered = asyncio.get_running_loop().create_future()
+        self._answers[handle] = answered
+        try:
+            await answered
+        finally:
+            self._answers.pop(handle, None)
+
+    def _answer(self, handle: Handle) -> None:
+        """A held request decided: wake its :meth:`_held`."""
+        answered = self._answers.pop(handle, None)
+        if answered is not None and not answered.done():
+            answered.set_result(None)
 
     def _admits_now(self, req: GenerationRequest) -> Callable[[TokenCount], bool]:
         """Would ``req`` be admitted now at this count? The counter tokenizes only when the answer is no."""
@@ -691,27 +721,6 @@ class _Turns:
         if released:
             self._turn_at, self._entered = self._clock(), released
             asyncio.get_running_loop().call_soon(self._next)
-
-
-def _submit(handle: Handle, demand: Demand) -> asyncio.Future[None] | None:
-    """Submit; when held, the future the gate's answer (admit or refuse) sets, else None (decided).
-
-    A client that leaves while held cancels the task awaiting it, and the handle's exit records
-    ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or a
-    release pumped the queue before this task woke), or leaves the queue if not. Not a coroutine: a
-    request decided at once (nearly all) awaits nothing here (issue #27).
-    """
-    answered: asyncio.Future[None] | None = None
-
-    def on_done(h: Handle) -> None:
-        if answered is not None and not answered.done():
-            answered.set_result(None)
-
-    # Nothing can answer a held handle between `submit` and the future's creation (no await between):
-    # the future is made only for the few requests that wait.
-    if handle.submit(demand, on_done) is Action.HOLD:
-        answered = asyncio.get_running_loop().create_future()
-    return answered
 
 
 # The cancellation message of a request the in-flight guard stopped (Handle.on_overrun): for whoever
@@ -988,9 +997,19 @@ class _Intake:
     """What a gated request's intake takes from the policy in force, read once per policy
     (``Proxy._intake``): the parser's priority bounds and the headers it reads
     (``_parser_header_names``), the body limit, whether policy ``gateway_fields`` has anything to do,
-    and the header names ``_scan_gated`` looks at. Per request these were property reads and calls."""
+    and the header names ``_scan_gated`` looks at. Per request these were property reads and calls.
+    ``tests/test_proxy_scan.py`` checks the shortcuts ``_decide`` takes with them against the calls."""
 
-    __slots__ = ("bounds", "gateway_work", "loaded", "max_body_bytes", "names", "rid_unique", "special")
+    __slots__ = (
+        "bounds",
+        "gateway_names",
+        "gateway_work",
+        "loaded",
+        "max_body_bytes",
+        "names",
+        "rid_unique",
+        "special",
+    )
 
     def __init__(self, loaded: Any) -> None:
         self.loaded = loaded
@@ -1002,6 +1021,7 @@ class _Intake:
         self.max_body_bytes: int = policy.limits.max_body_bytes
         gateway = policy.gateway_fields
         self.gateway_work = gateway.on_client != "pass"  # a client's gateway field refused or stripped
+        self.gateway_names = frozenset(gateway.names)
         self.rid_unique = gateway.rid == "unique"
         self.special = _DROP_REQUEST | _GATED_READ | self.names
 
