@@ -423,13 +423,7 @@ class Proxy:
             answer = rejection_response(handle.decision, demand, handle.waited_s, a.policy.answers)
             await send_response(send, answer)
             return None
-        waited_ms = handle.waited_s * 1000
-        extra = [
-            (b"x-request-id", rid.encode("latin-1")),
-            _ADMITTED,
-            # round() to even: a wait under half a millisecond (nearly every admission) is "0".
-            _NO_WAIT if -0.5 <= waited_ms <= 0.5 else (b"x-admission-wait-ms", b"%d" % round(waited_ms)),
-        ]
+        extra = [(b"x-request-id", rid.encode("latin-1")), _ADMITTED, _wait_header(handle.waited_s)]
         if handle.shadow_reject is not None:
             d = handle.shadow_reject
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
@@ -965,6 +959,15 @@ def _usable_request_id(rid: str | None) -> str | None:
     if rid is None or not _REQUEST_ID.match(rid.encode("utf-8", "replace")):
         return None
     return rid
+
+
+def _wait_header(waited_s: float) -> tuple[bytes, bytes]:
+    """``X-Admission-Wait-Ms``: the wait in whole milliseconds (``round``: half to even). A wait under
+    half a millisecond, nearly every admission's, is the constant ``0`` header, not a formatted one."""
+    ms = waited_s * 1000
+    if -0.5 <= ms <= 0.5:
+        return _NO_WAIT
+    return (b"x-admission-wait-ms", b"%d" % round(ms))
 
 
 def _id_header(rid: str) -> tuple[bytes, bytes]:
