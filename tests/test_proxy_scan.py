@@ -7,7 +7,9 @@ shortcuts of the gated path (issue #27) against the calls they stand for."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -157,3 +159,52 @@ def test_a_body_with_no_gateway_name_is_what_gateway_fields_in_finds_nothing_in(
 def test_a_plain_body_gets_what_resolve_gives_no_claim_and_no_headers(bounds: PriorityBounds) -> None:
     """The plain readers take ``bounds.default`` for ``bounds.resolve(None, None)``."""
     assert bounds.resolve(None, None) == bounds.default
+
+
+def _frames(coro: Any) -> list[Any]:
+    """The frames of a task's chain of coroutines and generators, outermost first."""
+    out = []
+    while coro is not None:
+        frame = (
+            getattr(coro, "cr_frame", None)
+            or getattr(coro, "gi_frame", None)
+            or getattr(coro, "ag_frame", None)
+        )
+        if frame is not None:
+            out.append(frame)
+        coro = (
+            getattr(coro, "cr_await", None)
+            or getattr(coro, "gi_yieldfrom", None)
+            or getattr(coro, "ag_await", None)
+        )
+    return out
+
+
+async def test_no_frame_of_a_streaming_gated_request_holds_its_large_body(tmp_path: Path) -> None:
+    """The handler takes a body of one message itself (no ``read_body`` frame that ends with it): its
+    locals must let go of the bytes, which a :class:`proxy._Body` alone holds until they are written
+    (issue #12). Looked for in every frame of every task while the stream runs."""
+    import httpx
+
+    from tests.harness import FakeEngine, lane
+
+    engine = FakeEngine(events=2)
+    ids = [(i * 7919) % 151_000 for i in range(60_000)]  # ~400 KB
+    async with (
+        lane(tmp_path, engine) as (url, _app, _),
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream("POST", url + "/generate", json={"input_ids": ids, "stream": True}) as r,
+    ):
+        chunks = r.aiter_bytes()
+        assert b'"i": 0' in await anext(chunks)
+        held = [
+            (frame.f_code.co_name, name)
+            for task in asyncio.all_tasks()
+            for frame in _frames(task.get_coro())
+            for name, value in frame.f_locals.items()
+            if isinstance(value, bytes | bytearray | memoryview) and len(value) > 300_000
+        ]
+        assert held == [], "a frame still holds the forwarded body"
+        engine.release.set()
+        rest = b"".join([c async for c in chunks])
+    assert b"[DONE]" in rest and engine.arrived[-1]["input_ids"] == ids
