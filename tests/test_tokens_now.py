@@ -38,10 +38,18 @@ def _req(path: str, obj: dict[str, Any]) -> GenerationRequest:
     return parse_generation(path, json.dumps(obj).encode(), max_body_bytes=10**8)
 
 
+def _never(count: TokenCount) -> bool:
+    raise AssertionError("count_now asked admits where asks_admits said it would not")
+
+
 async def _agrees(counter: PromptCounter, *, bytes_only: bool) -> None:
+    # The proxy builds its admits callback only where the counter says it may ask it.
+    assert counter.asks_admits is not bytes_only
     for path, obj in BODIES:
         req = _req(path, obj)
         now = counter.count_now(req)
+        if not counter.asks_admits:
+            assert counter.count_now(req, admits=_never) == now, (path, obj)
         if bytes_only:
             assert now is not None and now.method == "bytes", (path, obj)
         elif req.prompt_text is not None or req.messages is not None or req.batch_texts:

@@ -116,6 +116,11 @@ def json_body_refusal(headers: list[tuple[bytes, bytes]]) -> Response | None:
         if k == b"content-type":
             value = v
             break
+    return json_media_refusal(value)
+
+
+def json_media_refusal(value: bytes | None) -> Response | None:
+    """:func:`json_body_refusal` of the request's first Content-Type value (None: it sent none)."""
     if value is not None:
         media = value.split(b";", 1)[0].strip().lower()
         if media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json")):

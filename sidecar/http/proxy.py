@@ -30,7 +30,6 @@ from yarl import URL
 
 from sidecar.admission.controller import Admission, ClientGone, Handle, Outcome
 from sidecar.core.decision import Action
-from sidecar.core.demand import Demand
 from sidecar.http.access_log import ACCESS_NOTE
 from sidecar.http.answers import (
     Response,
@@ -40,9 +39,9 @@ from sidecar.http.answers import (
     rejection_response,
     send_response,
 )
-from sidecar.http.asgi import Receive, Scope, Send
+from sidecar.http.asgi import Message, Receive, Scope, Send
 from sidecar.http.engine_client import UpstreamClient
-from sidecar.http.hosts import json_body_refusal
+from sidecar.http.hosts import json_media_refusal
 from sidecar.http.server import DISCONNECT_WATCH
 from sidecar.intake.body import PRIORITY_HEADERS, BadRequest, GenerationRequest, parse_generation
 from sidecar.intake.demand import demand_of
@@ -69,6 +68,9 @@ _BYTES = (bytes, bytearray)
 # A client's X-Request-Id is kept when it looks like an id (what routers and SDKs send); anything else
 # is replaced, so a header cannot smuggle text into logs.
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:@/+=-]{1,128}$")
+# The admit headers every admission sends as they are (a wait under half a millisecond rounds to 0).
+_ADMITTED = (b"x-admission-decision", b"admit")
+_NO_WAIT = (b"x-admission-wait-ms", b"0")
 # Its own generator, seeded from the OS at import: request ids do not follow anyone's `random.seed`.
 _random_bits = random.Random().getrandbits
 
@@ -142,8 +144,10 @@ class Proxy:
         # Gate work per loop turn (``_Turns``): a burst's first requests reach the engine, and their first
         # bytes the clients, while the rest are still to be decided.
         self.turns = _Turns()
-        # What the body parser takes from the policy in force (``_intake_of``), per policy.
-        self._intake: tuple[Any, ...] = (None,)
+        # Held requests' futures, set by the gate's answer (``_held``, ``_answer``).
+        self._answers: dict[Handle, asyncio.Future[None]] = {}
+        # What a gated request's intake takes from the policy in force (``_Intake``), per policy.
+        self._intake = _Intake(None)
 
     # -- entry ---------------------------------------------------------------------------------------
 
@@ -157,17 +161,34 @@ class Proxy:
         return self._pass_through(scope, receive, send)
 
     async def _pass_through(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives."""
-        problem = _header_problem(scope)
-        if problem is not None:
-            await send_response(send, problem)
+        """Forwarded unchanged: no size limit of ours, and a large body is relayed as it arrives.
+
+        The headers are read in one pass (``_scan_pass``: the UTF-8 check, the body's framing and the
+        headers to forward), and a small body's one message is taken here, not by a coroutine of its own
+        (issue #27)."""
+        bad, length, chunked, forward = _scan_pass(scope["headers"])
+        if bad is not None:
+            await send_response(send, _not_utf8(bad))
             return
         try:
-            body = await _PassThroughBody.start(scope, receive)
-            work = self._forward(scope, body.data, send, None, [], keep_length=body.streaming)
-            watch = scope.get(DISCONNECT_WATCH) if body.done is None else None
-            if watch is None:
+            if chunked or not (
+                length is None or (length.isdigit() and int(length) <= _PassThroughBody.INLINE_LIMIT)
+            ):
+                body = _PassThroughBody(receive)
+                work = self._forward(scope, body.data, send, None, [], keep_length=True)
                 await _until_disconnect(work, receive, scope, after=body.done)
+                return
+            msg = await receive()
+            if msg.get("more_body"):
+                data = await _PassThroughBody.rest(msg, receive)
+            elif msg["type"] == "http.disconnect":
+                raise ClientGone
+            else:  # every small request: one message, no list, no join
+                data = msg.get("body", b"")
+            work = self._forward(scope, data, send, None, [], forward=forward)
+            watch = scope.get(DISCONNECT_WATCH)
+            if watch is None:
+                await _until_disconnect(work, receive, scope)
                 return
             task = asyncio.current_task()
             assert task is not None
@@ -178,20 +199,46 @@ class Proxy:
 
     async def _gated_request(self, scope: Scope, receive: Receive, send: Send, route: Route | None) -> None:
         """The admission handle around the whole request (its one outcome, decided on exit), the body,
-        and the client's disconnect watched from then on."""
-        problem = _header_problem(scope)
-        if problem is None:
-            problem = json_body_refusal(scope["headers"])  # 415: a cross-site form must not spend the lane
+        and the client's disconnect watched from then on.
+
+        The headers are read once (``_scan_gated``: what ``_header_problem``, ``json_body_refusal``,
+        ``_client_request_id``, ``read_body``'s Content-Length check, ``_headers_dict`` and
+        ``_request_header_bytes`` each read in a pass of their own), and a body that comes in one message
+        is taken here, without ``read_body``'s coroutine (issue #27)."""
+        a = self.admission
+        intake = self._intake
+        if intake.loaded is not a.loaded:  # once per policy, not per request
+            intake = self._intake = _Intake(a.loaded)
+        bad, ctype, sent, length, parser, forward = _scan_gated(scope["headers"], intake)
+        if bad is not None:
+            problem = _not_utf8(bad)
+        elif ctype == b"application/json":  # nearly every request: json_media_refusal's answer, None
+            problem = None
+        else:
+            problem = json_media_refusal(ctype)  # 415: a cross-site form must not spend the lane
         try:
-            with self.admission.open() as handle:  # the request's one outcome, decided on exit
+            with a.open() as handle:  # the request's one outcome, decided on exit
+                sent_id = None if sent is None else _request_id_of(sent)
                 if problem is not None:
                     status, headers, payload = problem
-                    rid = _client_request_id(scope) or new_request_id()
+                    rid = sent_id or new_request_id()
                     await send_response(send, (status, [*headers, _id_header(rid)], payload))
                     return
-                sent_id = _client_request_id(scope)
+                limit = intake.max_body_bytes
                 try:
-                    body = _Body(await read_body(scope, receive, self.admission.policy.limits.max_body_bytes))
+                    if length is None or (
+                        length is not _SEVERAL and not (length.isdigit() and int(length) > limit)
+                    ):
+                        msg = await receive()
+                        data = msg.get("body", b"")
+                        if (
+                            msg.get("more_body", False)
+                            or len(data) > limit
+                            or msg["type"] == "http.disconnect"
+                        ):
+                            data = await read_body(scope, receive, limit, first=msg)
+                    else:
+                        data = await read_body(scope, receive, limit)  # its Content-Length check says why
                 except BadRequest as e:
                     rid = sent_id or new_request_id()
                     await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
@@ -204,7 +251,11 @@ class Proxy:
                     scope = {**scope, "path": route.path, "raw_path": _raw(route.path)}
                 task = asyncio.current_task()  # once: the forward's overrun callback and the disconnect watch
                 assert task is not None
-                work = self._gated(scope, body, send, handle, route, sent_id, task)
+                # A large body is held by a _Body, which lets go of it once written (issue #12); a small
+                # one goes as its bytes (one object less per request).
+                body = data if len(data) < _Body.STREAM_FROM else _Body(data)
+                msg = data = None  # the bytes live in ``body`` alone: a _Body lets go of them once written
+                work = self._gated(scope, body, send, handle, route, sent_id, task, forward, (intake, parser))
                 watch = scope.get(DISCONNECT_WATCH)
                 if watch is None:
                     await _until_disconnect(work, receive, scope, task=task)
@@ -221,22 +272,35 @@ class Proxy:
     async def _gated(
         self,
         scope: Scope,
-        body: _Body,
+        body: _Body | bytes | bytearray,
         send: Send,
         handle: Handle,
         route: Route | None = None,
         sent_id: str | None = None,
         task: asyncio.Task | None = None,
+        forward: list[tuple[bytes, bytes]] | None = None,
+        scanned: tuple[_Intake, list[tuple[bytes, bytes]] | None] | None = None,
     ) -> None:
         """Decide and forward. One coroutine (not one around another): every resumption of the
         upstream request passes through each frame of the stack (issue #27). ``task``: this request's
-        (the current one; the caller hands it over when it has it)."""
+        (the current one; the caller hands it over when it has it). ``body``: a large one in a
+        :class:`_Body`, a small one as its bytes. ``forward``, ``scanned``: what ``_scan_gated`` read of
+        the headers (None: read them here)."""
         rids: list[str] = []
         try:
             try:
                 if not self.turns.let_in():
                     await self.turns.wait()
-                admitted = await self._decide(scope, body.data, send, handle, route, sent_id, rids)
+                admitted = await self._decide(
+                    scope,
+                    body.data if type(body) is _Body else body,
+                    send,
+                    handle,
+                    route,
+                    sent_id,
+                    rids,
+                    scanned,
+                )
                 if admitted is not None:
                     mine = task if task is not None else asyncio.current_task()
                     assert mine is not None
@@ -246,15 +310,20 @@ class Proxy:
                     extra, request_id, measured, stripped = admitted
                     if stripped is not None:
                         body = _Body(stripped)
+                    if type(body) is _Body:
+                        payload, size = body.payload(), body.size
+                    else:
+                        payload, size = body, len(body)
                     await self._forward(
                         scope,
-                        body.payload(),
+                        payload,
                         send,
                         handle,
                         extra,
-                        length=body.size,
+                        length=size,
                         request_id=request_id,
                         measured=measured,
+                        forward=forward,
                     )
             finally:  # the rids go before any answer below is sent
                 for rid in rids:
@@ -283,15 +352,22 @@ class Proxy:
         route: Route | None,
         sent_id: str | None,
         rids: list[str],
+        scanned: tuple[_Intake, list[tuple[bytes, bytes]] | None] | None = None,
     ) -> tuple[list[tuple[bytes, bytes]], str | None, bool, bytes | None] | None:
         """Parse, count, decide: the admit headers and _forward's options, or None once answered here.
-        ``rids``: where the request's rids are put once it holds them (the caller lets them go)."""
+        ``rids``: where the request's rids are put once it holds them (the caller lets them go).
+        ``scanned``: the policy's intake the headers were read with and the parser's headers found
+        (``_scan_gated``), used while that policy is still the one in force."""
         a = self.admission
         intake = self._intake
-        if intake[0] is not a.loaded:  # once per policy, not per request
-            intake = self._intake = _intake_of(a.loaded)
-        _, bounds, names, max_body_bytes = intake
-        headers = _headers_dict(scope, names)
+        if intake.loaded is not a.loaded:  # once per policy, not per request
+            intake = self._intake = _Intake(a.loaded)
+        bounds, max_body_bytes = intake.bounds, intake.max_body_bytes
+        if scanned is not None and scanned[0] is intake:
+            parser = scanned[1]
+            headers = None if parser is None else _parser_dict(parser)
+        else:  # a policy with another class header came in meanwhile: its names, read now
+            headers = _headers_dict(scope, intake.names)
         shape = route.shape if route is not None and route.shape else None
         try:
             # A 500K-token prompt is MBs of JSON (tens of ms to decode): off the loop, so other requests
@@ -320,30 +396,34 @@ class Proxy:
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
             return None
         # Kept if the client (or a router) sent one; else SGLang's own `rid`; else a fresh one.
-        rid = sent_id or _usable_request_id(req.rid) or new_request_id()
+        rid = sent_id or (req.rid is not None and _usable_request_id(req.rid)) or new_request_id()
+        stripped = None
         try:
-            stripped = self._gateway_fields(req, body)
-            self._hold_rids(req, rids)
+            # Policy gateway_fields: a body that sets none of the names (nearly every one) has nothing
+            # to refuse or strip (``gateway_fields_in``'s answer, ``()``, without its call).
+            if intake.gateway_work and not intake.gateway_names.isdisjoint(req.body_obj):
+                stripped = self._gateway_fields(req, body)
+            if intake.rid_unique and req.rids:
+                self._hold_rids(req, rids)
         except BadRequest as e:
             handle.end(Outcome.BAD_REQUEST)
             await send_response(send, json_response(e.status, invalid_request(e), [_id_header(rid)]))
             return None
-        # No coroutine where the count needs no wait (ids, the bound the gate takes, no tokenizer).
-        count = self.counter.count_now(req, admits=self._admits_now(req)) or await self.counter.count(req)
+        # No coroutine where the count needs no wait (ids, the bound the gate takes, no tokenizer); the
+        # gate's callback only where the counter may ask it.
+        counter = self.counter
+        count = counter.count_now(req, admits=self._admits_now(req) if counter.asks_admits else None)
+        if count is None:
+            count = await counter.count(req)
         demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now(), request_id=rid)
-        answered = _submit(handle, demand)
-        if answered is not None:
-            await answered  # held: the gate answers later
+        if handle.submit(demand, self._answer) is Action.HOLD:
+            await self._held(handle)  # the gate answers later
         if not handle.admitted:
             assert handle.decision is not None
             answer = rejection_response(handle.decision, demand, handle.waited_s, a.policy.answers)
             await send_response(send, answer)
             return None
-        extra = [
-            _id_header(rid),
-            (b"x-admission-decision", b"admit"),
-            (b"x-admission-wait-ms", str(round(handle.waited_s * 1000)).encode()),
-        ]
+        extra = [(b"x-request-id", rid.encode("latin-1")), _ADMITTED, _wait_header(handle.waited_s)]
         if handle.shadow_reject is not None:
             d = handle.shadow_reject
             extra.append((b"x-admission-shadow-decision", d.action.value.encode()))
@@ -372,7 +452,8 @@ class Proxy:
         )
 
     def _hold_rids(self, req: GenerationRequest, rids: list[str]) -> None:
-        """Policy ``gateway_fields.rid: unique``: a rid already in flight is refused (400)."""
+        """Policy ``gateway_fields.rid: unique``: a rid already in flight is refused (400). ``_decide``
+        calls it only where ``_Intake.rid_unique`` and the request has rids (else it does nothing)."""
         if self.admission.policy.gateway_fields.rid != "unique" or not req.rids:
             return
         taken = next((r for r in req.rids if r in self._rids), None)
@@ -389,6 +470,29 @@ class Proxy:
             self._rids[r] = self._rids.get(r, 0) + 1
             rids.append(r)
 
+    async def _held(self, handle: Handle) -> None:
+        """Wait for the gate's answer (admit or refuse) to a held request: the future :meth:`_answer` sets.
+
+        A client that leaves while held cancels the task awaiting it, and the handle's exit records
+        ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or
+        a release pumped the queue before this task woke), or leaves the queue if not. Nothing can answer
+        a held handle between ``submit`` and this future's creation (no await between): the future is
+        made only for the few requests that wait, and the callback every ``submit`` takes is one bound
+        method of the proxy (a closure per request was per-request work for the few held; issue #27).
+        """
+        answered = asyncio.get_running_loop().create_future()
+        self._answers[handle] = answered
+        try:
+            await answered
+        finally:
+            self._answers.pop(handle, None)
+
+    def _answer(self, handle: Handle) -> None:
+        """A held request decided: wake its :meth:`_held`."""
+        answered = self._answers.pop(handle, None)
+        if answered is not None and not answered.done():
+            answered.set_result(None)
+
     def _admits_now(self, req: GenerationRequest) -> Callable[[TokenCount], bool]:
         """Would ``req`` be admitted now at this count? The counter tokenizes only when the answer is no."""
 
@@ -401,15 +505,22 @@ class Proxy:
     # -- forwarding ----------------------------------------------------------------------------------
 
     def _upstream_target(
-        self, scope: Scope, lean: bool, keep_length: bool, length: int | None, request_id: str | None
+        self,
+        scope: Scope,
+        lean: bool,
+        keep_length: bool,
+        length: int | None,
+        request_id: str | None,
+        forward: list[tuple[bytes, bytes]] | None = None,
     ) -> tuple[Any, Any]:
         """The engine's target and the request headers to send it. ``lean``: the lean client takes the
-        request's own bytes (target and headers as received, nothing decoded and encoded back)."""
+        request's own bytes (target and headers as received, nothing decoded and encoded back).
+        ``forward``: ``_request_header_bytes(scope, keep_length)`` as the request's scan found them."""
         if lean:
             target = self._prefix + scope["raw_path"]
             if scope.get("query_string"):
                 target += b"?" + scope["query_string"]
-            headers = _request_header_bytes(scope, keep_length)
+            headers = _request_header_bytes(scope, keep_length) if forward is None else forward
             if request_id is not None:
                 headers.append((b"x-request-id", request_id.encode("latin-1")))
             if length is not None:
@@ -437,11 +548,14 @@ class Proxy:
         length: int | None = None,
         request_id: str | None = None,
         measured: bool = False,
+        forward: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """Relay to the engine. ``body``: bytes, or an async iterator of them (then ``keep_length``
         keeps the client's Content-Length, or ``length`` gives ours). ``request_id``: an id the sidecar
         chose, sent on as ``X-Request-Id`` (one the client sent goes with its other headers).
-        ``measured``: a stream, whose first byte is its prefill's end (it times the lane's prefill rate)."""
+        ``measured``: a stream, whose first byte is its prefill's end (it times the lane's prefill rate).
+        ``forward``: the request headers to send the lean client, read by the request's scan (None: read
+        here); the list is the request's own, and gets the id and length appended."""
         session = self.session
         assert session is not None, "proxy used outside the app's lifespan"
         started = False
@@ -449,7 +563,7 @@ class Proxy:
         sized = length is not None and not isinstance(body, _BYTES)
         lean = session.__class__ is UpstreamClient
         target, req_headers = self._upstream_target(
-            scope, lean, keep_length, length if sized else None, request_id
+            scope, lean, keep_length, length if sized else None, request_id, forward
         )
         try:
             async with session.request(
@@ -552,7 +666,7 @@ class _Turns:
     the p99 at 29-36 ms for ~15 % more CPU per gated request at saturation (evidence QE1).
     """
 
-    __slots__ = ("_clock", "_entered", "_per_gate", "_queue", "_turn_at", "budget_s", "min_per_turn")
+    __slots__ = ("_clock", "_entered", "_next", "_per_gate", "_queue", "_turn_at", "budget_s", "min_per_turn")
 
     def __init__(
         self, budget_s: float = 0.001, clock: Callable[[], float] = time.perf_counter, min_per_turn: int = 4
@@ -564,6 +678,7 @@ class _Turns:
         self._entered = 0  # gates started in this turn
         self._per_gate = budget_s / 4  # a gate's time, as last measured (how many a turn lets go)
         self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._next = self._next_turn  # bound once: every turn with a gate schedules it
 
     async def enter(self) -> None:
         """Return when this request may do its gate work: at once while this turn's budget lasts and
@@ -575,7 +690,7 @@ class _Turns:
         """May this request do its gate work now (no coroutine for the common case: a request alone)?"""
         if self._turn_at is None:
             self._turn_at, self._entered = self._clock(), 1
-            asyncio.get_running_loop().call_soon(self._next_turn)
+            asyncio.get_running_loop().call_soon(self._next)
             return True
         if not self._queue:
             spent = self._clock() - self._turn_at
@@ -596,6 +711,8 @@ class _Turns:
         in the next turn, after the engine's answers read in this one)."""
         self._turn_at = None
         queue = self._queue
+        if not queue:  # nearly every turn: nobody waits
+            return
         n = max(self.min_per_turn, int(self.budget_s / max(self._per_gate, 1e-6)))
         released = 0
         while queue and released < n:
@@ -605,28 +722,7 @@ class _Turns:
                 released += 1
         if released:
             self._turn_at, self._entered = self._clock(), released
-            asyncio.get_running_loop().call_soon(self._next_turn)
-
-
-def _submit(handle: Handle, demand: Demand) -> asyncio.Future[None] | None:
-    """Submit; when held, the future the gate's answer (admit or refuse) sets, else None (decided).
-
-    A client that leaves while held cancels the task awaiting it, and the handle's exit records
-    ``client_gone``: that releases the charge if the gate admitted it in the same instant (a poll or a
-    release pumped the queue before this task woke), or leaves the queue if not. Not a coroutine: a
-    request decided at once (nearly all) awaits nothing here (issue #27).
-    """
-    answered: asyncio.Future[None] | None = None
-
-    def on_done(h: Handle) -> None:
-        if answered is not None and not answered.done():
-            answered.set_result(None)
-
-    # Nothing can answer a held handle between `submit` and the future's creation (no await between):
-    # the future is made only for the few requests that wait.
-    if handle.submit(demand, on_done) is Action.HOLD:
-        answered = asyncio.get_running_loop().create_future()
-    return answered
+            asyncio.get_running_loop().call_soon(self._next)
 
 
 # The cancellation message of a request the in-flight guard stopped (Handle.on_overrun): for whoever
@@ -665,19 +761,25 @@ def _upstream_error(e: BaseException, upstream: str) -> tuple[int, list, bytes]:
 
 
 async def read_body(
-    scope: Scope, receive: Receive, limit: int, source: str | None = None
+    scope: Scope, receive: Receive, limit: int, source: str | None = None, *, first: Message | None = None
 ) -> bytes | bytearray:
     """The whole body, refused (413) by its Content-Length or as soon as the bytes read pass ``limit``:
-    never buffered beyond it. ``source`` names the limit in the message."""
+    never buffered beyond it. ``source`` names the limit in the message. ``first``: the body's first
+    message, already received (``Proxy._gated_request`` takes a body of one message itself, and hands
+    any other here); its Content-Length was checked then."""
     where = {"source": source} if source else {}
-    for k, v in scope["headers"]:
-        if k == b"content-length" and v.isdigit() and int(v) > limit:
-            raise BadRequest.body_too_large(int(v), limit, **where)
+    if first is None:
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                raise BadRequest.body_too_large(int(v), limit, **where)
     # One growing buffer, not a list of chunks joined at the end (the join held every byte twice).
     # Not sized from Content-Length up front: a client could then make us allocate 32 MB by saying so.
     buf = bytearray()
     while True:
-        msg = await receive()
+        if first is None:
+            msg = await receive()
+        else:
+            msg, first = first, None
         if msg["type"] == "http.disconnect":
             raise ClientGone
         chunk = msg.get("body", b"")
@@ -723,45 +825,30 @@ class _Body:
 
 
 class _PassThroughBody:
-    """A pass-through request's body: read at once when small, else relayed to the engine as it arrives.
+    """A large or chunked pass-through body, relayed to the engine as it arrives (a small one is read
+    whole by ``Proxy._pass_through``, which hands the rest of one in several messages to :meth:`rest`).
 
-    ``done`` (a streamed body only; None when the body was read whole) is set once the body has been
-    read: only then may the disconnect listener take over ``receive`` (two readers of one ASGI channel
-    would steal each other's messages).
+    ``done`` is set once the body has been read: only then may the disconnect listener take over
+    ``receive`` (two readers of one ASGI channel would steal each other's messages).
     """
 
+    # Above this Content-Length (or chunked), the body is relayed as it arrives.
     INLINE_LIMIT = 1 << 20
 
-    def __init__(self, data: Any, streaming: bool) -> None:
-        self.data = data
-        self.streaming = streaming
-        self.done: asyncio.Event | None = asyncio.Event() if streaming else None
+    def __init__(self, receive: Receive) -> None:
+        self.done = asyncio.Event()
+        self.data = self._relay(receive)
 
-    @classmethod
-    async def start(cls, scope: Scope, receive: Receive) -> _PassThroughBody:
-        length = None
-        chunked = False
-        for k, v in scope["headers"]:  # one pass over the headers
-            if k == b"content-length":
-                length = v
-            elif k == b"transfer-encoding":
-                chunked = True
-        if not chunked and (length is None or (length.isdigit() and int(length) <= cls.INLINE_LIMIT)):
+    @staticmethod
+    async def rest(msg: Message, receive: Receive) -> bytes:
+        """A small body sent in several messages, from its first (``msg``) on, joined."""
+        parts = [msg.get("body", b"")]
+        while msg.get("more_body"):
             msg = await receive()
-            if not msg.get("more_body"):  # every small request: one message, no list, no join
-                if msg["type"] == "http.disconnect":
-                    raise ClientGone
-                return cls(msg.get("body", b""), streaming=False)
-            parts = [msg.get("body", b"")]
-            while msg.get("more_body"):
-                msg = await receive()
-                parts.append(msg.get("body", b""))
-            if msg["type"] == "http.disconnect":
-                raise ClientGone
-            return cls(b"".join(parts), streaming=False)
-        body = cls(None, streaming=True)
-        body.data = body._relay(receive)
-        return body
+            parts.append(msg.get("body", b""))
+        if msg["type"] == "http.disconnect":
+            raise ClientGone
+        return b"".join(parts)
 
     async def _relay(self, receive: Receive) -> Any:
         try:
@@ -774,7 +861,6 @@ class _PassThroughBody:
                 if not msg.get("more_body", False):
                     return
         finally:
-            assert self.done is not None
             self.done.set()
 
 
@@ -858,15 +944,21 @@ async def _until_disconnect(
 
 def new_request_id() -> str:
     """32 random hex digits, like a uuid4's: an id for logs, not a secret, so the process's seeded PRNG
-    serves (``uuid.uuid4`` costs a system call and an object per request)."""
-    return f"{_random_bits(128):032x}"
+    serves (``uuid.uuid4`` costs a system call and an object per request). Its bytes' ``hex``: what
+    ``f"{n:032x}"`` writes, for about two thirds of the instructions (issue #27)."""
+    return _random_bits(128).to_bytes(16, "big").hex()
 
 
 def _client_request_id(scope: Scope) -> str | None:
     for k, v in scope["headers"]:
         if k == b"x-request-id":
-            return v.decode("latin-1") if _REQUEST_ID.match(v) else None
+            return _request_id_of(v)
     return None
+
+
+def _request_id_of(value: bytes) -> str | None:
+    """A client's X-Request-Id value, kept when it looks like an id."""
+    return value.decode("latin-1") if _REQUEST_ID.match(value) else None
 
 
 def _usable_request_id(rid: str | None) -> str | None:
@@ -875,6 +967,15 @@ def _usable_request_id(rid: str | None) -> str | None:
     if rid is None or not _REQUEST_ID.match(rid.encode("utf-8", "replace")):
         return None
     return rid
+
+
+def _wait_header(waited_s: float) -> tuple[bytes, bytes]:
+    """``X-Admission-Wait-Ms``: the wait in whole milliseconds (``round``: half to even). A wait under
+    half a millisecond, nearly every admission's, is the constant ``0`` header, not a formatted one."""
+    ms = waited_s * 1000
+    if -0.5 <= ms <= 0.5:
+        return _NO_WAIT
+    return (b"x-admission-wait-ms", b"%d" % round(ms))
 
 
 def _id_header(rid: str) -> tuple[bytes, bytes]:
@@ -903,12 +1004,37 @@ def _headers_dict(scope: Scope, names: frozenset[bytes]) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("utf-8") for k, v in scope["headers"] if k in names}
 
 
-def _intake_of(loaded: Any) -> tuple[Any, PriorityBounds, frozenset[bytes], int]:
-    """The policy's share of a body's parse: its priority bounds, the headers the parser reads
-    (``_parser_header_names``) and the body limit; read once per policy (``Proxy._intake``)."""
-    policy = loaded.policy
-    bounds = policy.priority.bounds
-    return loaded, bounds, _parser_header_names(bounds.class_header), policy.limits.max_body_bytes
+class _Intake:
+    """What a gated request's intake takes from the policy in force, read once per policy
+    (``Proxy._intake``): the parser's priority bounds and the headers it reads
+    (``_parser_header_names``), the body limit, whether policy ``gateway_fields`` has anything to do,
+    and the header names ``_scan_gated`` looks at. Per request these were property reads and calls.
+    ``tests/test_proxy_scan.py`` checks the shortcuts ``_decide`` takes with them against the calls."""
+
+    __slots__ = (
+        "bounds",
+        "gateway_names",
+        "gateway_work",
+        "loaded",
+        "max_body_bytes",
+        "names",
+        "rid_unique",
+        "special",
+    )
+
+    def __init__(self, loaded: Any) -> None:
+        self.loaded = loaded
+        if loaded is None:  # before the first request: nothing read yet
+            return
+        policy = loaded.policy
+        self.bounds: PriorityBounds = policy.priority.bounds
+        self.names = _parser_header_names(self.bounds.class_header)
+        self.max_body_bytes: int = policy.limits.max_body_bytes
+        gateway = policy.gateway_fields
+        self.gateway_work = gateway.on_client != "pass"  # a client's gateway field refused or stripped
+        self.gateway_names = frozenset(gateway.names)
+        self.rid_unique = gateway.rid == "unique"
+        self.special = _DROP_REQUEST | _GATED_READ | self.names
 
 
 @functools.lru_cache(maxsize=64)
@@ -925,6 +1051,110 @@ def _parser_header_names(class_header: str | None) -> frozenset[bytes]:
     if class_header is not None:
         names.add(class_header.lower().encode("latin-1"))
     return frozenset(names)
+
+
+# What ``_scan_gated`` reads besides the dropped headers and the parser's (the forwarded headers are
+# every other one).
+_GATED_READ = frozenset({b"content-type", b"x-request-id"})
+# A Connection header naming only what is dropped anyway (nearly every one: HTTP/1.1 clients send
+# `keep-alive`): nothing more to drop, so the scan keeps its one pass.
+_CONNECTION_PLAIN = frozenset({b"keep-alive"})
+# More than one Content-Length: ``read_body``'s own check reads them all.
+_SEVERAL = b"several"
+
+
+def _scan_gated(
+    headers: list[tuple[bytes, bytes]], intake: _Intake
+) -> tuple[
+    bytes | None,
+    bytes | None,
+    bytes | None,
+    bytes | None,
+    list[tuple[bytes, bytes]] | None,
+    list[tuple[bytes, bytes]],
+]:
+    """A gated request's headers in one pass (issue #27: six passes, each a function, read them before):
+    the name of the first value that is not UTF-8 (``_header_problem``), the first Content-Type
+    (``json_body_refusal``), the first X-Request-Id (``_client_request_id``), the Content-Length
+    (``_SEVERAL`` when sent more than once: ``read_body`` checks those), the headers the body parser
+    reads (``_headers_dict``'s, undecoded; None when none) and those to forward
+    (``_request_header_bytes(scope, False)``). ``tests/test_proxy_scan.py`` compares each with its
+    function on generated header lists."""
+    special = intake.special
+    names = intake.names
+    forward = []
+    bad = ctype = sent = length = parser = None
+    named = False
+    for h in headers:
+        k, v = h
+        if not v.isascii() and bad is None and not _is_utf8(v):
+            bad = k
+        if k not in special:
+            forward.append(h)
+            continue
+        if k in names:
+            if parser is None:
+                parser = [h]
+            else:
+                parser.append(h)
+        if k == b"content-type":
+            if ctype is None:
+                ctype = v
+        elif k == b"x-request-id":
+            if sent is None:
+                sent = v
+        elif k == b"content-length":
+            length = v if length is None else _SEVERAL
+        elif k == b"connection" and v.lower() not in _CONNECTION_PLAIN:
+            named = True
+        if k not in _DROP_REQUEST:
+            forward.append(h)
+    if named:  # rare: what its options name goes too (ASGI names are lower-case)
+        drop = _connection_named(headers)
+        forward = [h for h in forward if h[0] not in drop]
+    return bad, ctype, sent, length, parser, forward
+
+
+def _scan_pass(
+    headers: list[tuple[bytes, bytes]],
+) -> tuple[bytes | None, bytes | None, bool, list[tuple[bytes, bytes]]]:
+    """A pass-through request's headers in one pass: the name of the first value that is not UTF-8
+    (``_header_problem``), the Content-Length and whether the body is chunked (how it is read), and the
+    headers to forward when the body is read whole (``_request_header_bytes(scope, False)``; a relayed
+    body keeps its Content-Length and reads them again). Compared with those functions in
+    ``tests/test_proxy_scan.py``."""
+    forward = []
+    bad = length = None
+    chunked = named = False
+    for h in headers:
+        k, v = h
+        if not v.isascii() and bad is None and not _is_utf8(v):
+            bad = k
+        if k not in _DROP_REQUEST:
+            forward.append(h)
+        elif k == b"content-length":
+            length = v
+        elif k == b"transfer-encoding":
+            chunked = True
+        elif k == b"connection" and v.lower() not in _CONNECTION_PLAIN:
+            named = True
+    if named:
+        drop = _connection_named(headers)
+        forward = [h for h in forward if h[0] not in drop]
+    return bad, length, chunked, forward
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _parser_dict(found: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """``_headers_dict`` of the headers ``_scan_gated`` found (a later one of a name wins, as there)."""
+    return {k.decode("latin-1"): v.decode("utf-8") for k, v in found}
 
 
 def _request_header_bytes(scope: Scope, keep_length: bool) -> list[tuple[bytes, bytes]]:
@@ -958,19 +1188,19 @@ def _header_problem(scope: Scope) -> Response | None:
     """A 400 for a header value that is not UTF-8: the upstream client can only send UTF-8 header text,
     so such bytes could not be relayed unchanged (they would be dropped or re-encoded)."""
     for k, v in scope["headers"]:
-        if v.isascii():
-            continue
-        try:
-            v.decode("utf-8")
-        except UnicodeDecodeError:
-            name = k.decode("latin-1")
-            return error_response(
-                400,
-                f'header "{name}" has bytes that are not UTF-8; the sidecar relays header bytes '
-                "unchanged and cannot relay these",
-                "invalid_header",
-            )
+        if not v.isascii() and not _is_utf8(v):
+            return _not_utf8(k)
     return None
+
+
+def _not_utf8(name: bytes) -> Response:
+    """``_header_problem``'s answer for the header ``name``."""
+    return error_response(
+        400,
+        f'header "{name.decode("latin-1")}" has bytes that are not UTF-8; the sidecar relays header bytes '
+        "unchanged and cannot relay these",
+        "invalid_header",
+    )
 
 
 def _response_headers(

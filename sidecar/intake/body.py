@@ -953,9 +953,10 @@ def _plain_generate(
         rids = (rid,)
     else:
         return None
-    # Positional, in the fields' order (``_request``'s).
+    # Positional, in the fields' order (``_request``'s). ``bounds.default``: what ``bounds.resolve`` answers
+    # for no claim and no headers (a plain body has neither), without its call.
     return _make_request(
-        path, kind, stream, max_new, bounds.resolve(None, None), rid, rids, None, text, None, None, None,
+        path, kind, stream, max_new, bounds.default, rid, rids, None, text, None, None, None,
         (), (), None, 1, samples, None, 0, None, None, None, obj,
     )  # fmt: skip
 
@@ -1002,8 +1003,9 @@ def _plain_openai(
     samples = n or 1
     if best_of is not None and best_of > samples:
         samples = best_of
+    # ``bounds.default``: ``bounds.resolve(None, None)``, as in ``_plain_generate``.
     return _make_request(
-        path, kind, stream, max_new, bounds.resolve(None, None), rid, () if rid is None else (rid,), model,
+        path, kind, stream, max_new, bounds.default, rid, () if rid is None else (rid,), model,
         text, None, messages, tools, (), (), None, 1, samples, None, 0, None, None, None, obj,
     )  # fmt: skip
 

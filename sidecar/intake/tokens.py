@@ -265,6 +265,9 @@ class PromptCounter:
         (the configuration, a tokenizer, the engine's /tokenize): whether the bytes bound is the only
         count there is (no tokenizer, no engine to ask), and the bound's figures."""
         self._bytes_only = self._tokenizer is None and not self.engine_tokenize_available
+        # Whether ``count_now`` may ask its ``admits`` at all (it never does where the bytes bound is the
+        # only count): the proxy builds that callback per request only then.
+        self.asks_admits = not self._bytes_only
         self._bytes_per_token = self._config.bytes_per_token
         self._per_media = self._config.tokens_per_media_item
 
