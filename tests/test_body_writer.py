@@ -145,3 +145,31 @@ async def test_a_slow_client_gets_the_whole_stream_in_order_and_the_log_counts_e
         if rec.name == "sidecar.http.access_log" and rec.fields["path"] == "/generate"  # type: ignore[attr-defined]
     ]
     assert [f["bytes"] for f in logged] == [len(body)]
+
+
+def test_no_writer_where_uvicorns_cycle_lacks_what_the_writer_reads() -> None:
+    """The writer reads uvicorn's cycle by attribute: a cycle without one of them (another uvicorn)
+    gets no writer, so the relay goes through ``send`` rather than failing in the engine's callback."""
+    from types import SimpleNamespace
+
+    from sidecar.http.server import GuardedHttpToolsProtocol
+
+    transport = object()
+    full = {
+        "chunked_encoding": True,
+        "response_complete": False,
+        "disconnected": False,
+        "flow": SimpleNamespace(write_paused=False),
+        "transport": transport,
+    }
+    server = SimpleNamespace(_body_writer=True, transport=transport)
+
+    def writer(cycle_fields: dict[str, Any]) -> Any:
+        cycle = type("Cycle", (), {"send": lambda self, m: None})()
+        cycle.__dict__.update(cycle_fields)
+        return GuardedHttpToolsProtocol.body_writer(server, cycle.send)  # type: ignore[arg-type]
+
+    assert isinstance(writer(full), BodyWriter)
+    for name in ("chunked_encoding", "response_complete", "disconnected", "flow"):
+        assert writer({k: v for k, v in full.items() if k != name}) is None, name
+    assert writer({**full, "flow": SimpleNamespace()}) is None

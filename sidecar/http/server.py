@@ -137,6 +137,9 @@ class BodyWriter:
         return True
 
 
+# What ``BodyWriter`` reads of uvicorn's ``RequestResponseCycle`` (httptools_impl, uvicorn 0.36-0.55).
+_CYCLE_STATE = ("chunked_encoding", "response_complete", "disconnected", "flow", "transport")
+
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -228,6 +231,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         would be a reference cycle per request, left for the garbage collector."""
         cycle = getattr(send, "__self__", None)
         if not self._body_writer or getattr(cycle, "transport", None) is not self.transport:
+            return None
+        # The writer reads uvicorn's cycle by attribute (not an API): a uvicorn without one of them
+        # relays through ``send`` as before, rather than failing inside the engine's callback.
+        if not all(hasattr(cycle, name) for name in _CYCLE_STATE) or not hasattr(cycle.flow, "write_paused"):
             return None
         return BodyWriter(cycle)
 
