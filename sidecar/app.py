@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission.clock import LoopClock
@@ -37,9 +38,8 @@ from sidecar.intake.body import BadRequest
 from sidecar.intake.tokens import CounterConfig, PromptCounter, TokenizerLoadError
 from sidecar.ops import learned_file
 from sidecar.ops.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
-from sidecar.ops.decision_line import context_fragments, context_text
 from sidecar.ops.loads import LOADS_PATH, LoadsEndpoint
-from sidecar.ops.telemetry import StateCollector, Telemetry, register_process_metrics
+from sidecar.ops.telemetry import StateCollector, Telemetry, context_fragments, register_process_metrics
 from sidecar.policy.engine_routes import RouteTable, control_route, normalize_path
 from sidecar.policy.schema import LoadedPolicy, PolicyError
 from sidecar.policy.source import PolicySource
@@ -99,7 +99,7 @@ class SidecarApp:
             self.admission.refresh_rules()  # the rules in force with what was restored
         self._context_cache: tuple[Any, ...] | None = None
         self.telemetry.context = self._log_context
-        self.telemetry.context_text = self._log_context_text
+        self.telemetry.context_json = self._log_context_json
         self.counter = PromptCounter(_counter_config(policy), engine_tokenize=self._engine_tokenize)
         self.trust_emulator_sizes = trust_emulator_sizes
         self.proxy = Proxy(
@@ -453,10 +453,11 @@ class SidecarApp:
             gpu = {**gpu, "age_s": round(age, 3) if age > 0.0 else 0.0}
         return {**head, "held": a.held, "engine": engine, "gpu": gpu}
 
-    def _log_context_text(self) -> str | None:
-        """:meth:`_log_context` as the text a decision line ends with (``decision_line.context_text``):
-        what a snapshot carries written once per snapshot (``decision_line.context_fragments``), the
-        held count and the signals' ages per decision. None: the dict's way (orjson refused a part)."""
+    def _log_context_json(self) -> tuple[bytes, ...] | None:
+        """:meth:`_log_context` as the JSON members a decision line ends with, in pieces
+        (``telemetry.spliced``): what a snapshot carries serialized once per snapshot
+        (``telemetry.context_fragments``), the held count and the signals' ages per decision. None:
+        the dict's way (orjson refused a part)."""
         a = self.admission
         snap, now = a.snapshot, self.clock()
         cached = self._context_cache
@@ -466,17 +467,20 @@ class SidecarApp:
         if parts is None:
             return None
         e, g = snap.engine, snap.gpu
-        return context_text(
-            parts,
-            a.held,
-            None if e is None else now - e.observed_at,
-            None if g is None else now - g.observed_at,
+        return (
+            parts[0],
+            b"%d" % a.held,
+            parts[1],
+            b"" if e is None else orjson.dumps(round(age, 3) if (age := now - e.observed_at) > 0.0 else 0.0),
+            parts[2],
+            b"" if g is None else orjson.dumps(round(age, 3) if (age := now - g.observed_at) > 0.0 else 0.0),
+            parts[3],
         )
 
     def _snapshot_parts(self, a: Admission, snap: Snapshot) -> tuple[Any, ...]:
         """The context's parts that change only with a snapshot or the policy, kept (with what they
         were taken from) until either changes: one cache for both ways, the dicts and their JSON
-        (``decision_line.context_fragments``)."""
+        (``telemetry.context_fragments``)."""
         head, engine, gpu = _snapshot_context(a, snap)
         cached = (snap, a.loaded, a.shadow, head, engine, gpu, context_fragments(head, engine, gpu))
         self._context_cache = cached

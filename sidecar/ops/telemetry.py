@@ -40,7 +40,6 @@ from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import Rules
 from sidecar.ops import logs
-from sidecar.ops.decision_line import decision_record, line_text
 from sidecar.ops.router_view import fit_prompt_tokens
 
 if TYPE_CHECKING:
@@ -227,9 +226,9 @@ class Telemetry:
         self.largest_admitted_bytes = 0
         registry.register(_LargestAdmitted(self))
         self.context: Callable[[], dict[str, Any]] = dict
-        # The same context as the text a decision line ends with (``decision_line.context_text``), or
-        # None for the dict's way: the shell writes what changes only with a snapshot once (#27).
-        self.context_text: Callable[[], str | None] = str
+        # The same context as the JSON members a decision line ends with, in pieces (``spliced``), or
+        # None for the dict's way: the shell serializes what changes only with a snapshot once (#27).
+        self.context_json: Callable[[], tuple[bytes, ...] | None] = lambda: None
 
     def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         action = d.action
@@ -267,15 +266,15 @@ class Telemetry:
         else:
             self._rejects[d.reason or Reason.UNFIT_REQUEST].n += 1
             self._hold.observe(waited_s)
-        # The line is built only when something writes it.
-        writer = self._writer
-        if writer is not None:
-            ts = time.time()
-            context = self.context_text()
-            line = None if context is None else line_text(d, cost, waited_s, ledger, ts, context)
-            if line is None:  # a value the fast way does not write: the dict's way, the same text
-                line = _line(decision_record(d, cost, waited_s, ledger, self.context(), ts))
-            writer.put(line.encode())
+        # The record is built only when something writes it.
+        if self._writer is not None:
+            members = self.context_json()
+            line = (
+                None if members is None else spliced(decision_record(d, cost, waited_s, ledger, {}), members)
+            )
+            if line is None:
+                line = _line(decision_record(d, cost, waited_s, ledger, self.context())).encode()
+            self._writer.put(line)
         elif log.isEnabledFor(logging.INFO):
             # Through the process's log pipeline (sidecar.ops.logs): its format, its bounded queue.
             fields = decision_record(d, cost, waited_s, ledger, self.context())
@@ -452,6 +451,108 @@ def _line(fields: dict[str, Any]) -> str:
         return orjson.dumps(fields).decode()
     except TypeError:
         return json.dumps(fields, separators=(",", ":"))
+
+
+def spliced(fields: dict[str, Any], members: tuple[bytes, ...]) -> bytes | None:
+    """``_line`` of ``fields`` followed by the context's ``members`` (pieces: ``context_fragments``
+    and what changes per decision), as UTF-8: the same bytes as one ``orjson.dumps`` of the merged
+    dict, whose members it writes in order. One join (no intermediate copies of the line). None where
+    orjson refuses ``fields`` (then the merged dict goes ``_line``'s way)."""
+    try:
+        head = orjson.dumps(fields)
+    except TypeError:
+        return None
+    if not members:
+        return head
+    return b"".join((memoryview(head)[:-1], b",", *members, b"}"))
+
+
+def context_fragments(
+    head: dict[str, Any], engine: dict[str, Any] | None, gpu: dict[str, Any] | None
+) -> tuple[bytes, bytes, bytes, bytes] | None:
+    """The decision log's context parts that change only with a snapshot (the shell's ``_log_context``
+    head, engine and GPU fields; None for a signal not read) as JSON, once per snapshot. A decision's
+    members are then ``(head, held, engine, engine age, gpu, gpu age, end)``: the head's members up to
+    the held count's key, the engine's object left open for its ``age_s`` (last), the GPU's likewise
+    after the engine's close, and the closing brace of the last (an absent signal: ``null``, no age).
+    None where orjson cannot write them (the record then goes the dict's way)."""
+    try:
+        first = (orjson.dumps(head)[1:-1] + b"," if head else b"") + b'"held":'
+        after_engine = b"}," if engine is not None else b","
+        return (
+            first,
+            b',"engine":null' if engine is None else b',"engine":' + _open(engine),
+            after_engine + (b'"gpu":null' if gpu is None else b'"gpu":' + _open(gpu)),
+            b"}" if gpu is not None else b"",
+        )
+    except TypeError:
+        return None
+
+
+def _open(fields: dict[str, Any]) -> bytes:
+    """``fields`` as a JSON object left open for one more member, ``age_s``."""
+    return orjson.dumps(fields)[:-1] + (b',"age_s":' if fields else b'"age_s":')
+
+
+def wall_ts() -> float:
+    """The decision's wall-clock time in seconds, to the millisecond: the nearest float to the whole
+    milliseconds (``time_ns`` rounded, then one division), so orjson writes it with at most three
+    decimals, as ``round(time.time(), 3)`` did, for a fifth of that's instructions (issue #27)."""
+    return (time.time_ns() + 500_000) // 1_000_000 / 1000
+
+
+def decision_record(
+    d: Decision,
+    cost: Demand,
+    waited_s: float,
+    ledger: LedgerTotals,
+    context: dict[str, Any],
+    ts: float | None = None,
+) -> dict[str, Any]:
+    """Every input that decided, and nothing of the prompt's text. ``replay`` reads these lines back.
+    ``ts``: :func:`wall_ts` of the decision (read now if None).
+
+    The decision's members are :func:`~sidecar.http.answers.decision_fields`' (the 503 body's and
+    explain's), written out here in one dict display: that call, its dict and the merge cost ~5k
+    instructions per gated request (issue #27); ``tests/test_decision_line.py`` checks they stay
+    the same members. A wait of exactly 0 (a request decided at once) is its own rounding."""
+    reason = d.reason
+    return {
+        "ts": wall_ts() if ts is None else ts,
+        "event": "decision",
+        "request_id": cost.request_id,
+        "decision": d.action._value_,
+        "reason": reason._value_ if reason is not None else None,
+        "prompt_tokens": cost.prompt_tokens,
+        "exact": cost.exact,
+        "cached_tokens": cost.cached_tokens,
+        "max_new_tokens": cost.max_new_tokens,
+        "sequences": cost.sequences,
+        "priority": cost.priority,
+        "projected_bytes": cost.projected_bytes,
+        "headroom_bytes": d.headroom_bytes,
+        "retry_after_s": d.retry_after_s,
+        "checks": [
+            {
+                "name": c.name,
+                "ok": c.ok,
+                "need": c.need,
+                "have": c.have,
+                "note": c.note or None,
+                "limit": c.limit,
+            }
+            if c.limit
+            else {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
+            for c in d.checks
+        ],
+        "waited_s": waited_s if waited_s == 0.0 else round(waited_s, 4),
+        "ledger": {
+            "requests": ledger.requests,
+            "prefill_tokens": ledger.prefill_tokens,
+            "projected_bytes": ledger.projected_bytes,
+        },
+        **context,
+    }
 
 
 class StateCollector(Collector):
