@@ -39,7 +39,13 @@ from sidecar.intake.tokens import CounterConfig, PromptCounter, TokenizerLoadErr
 from sidecar.ops import learned_file
 from sidecar.ops.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
 from sidecar.ops.loads import LOADS_PATH, LoadsEndpoint
-from sidecar.ops.telemetry import StateCollector, Telemetry, context_fragments, register_process_metrics
+from sidecar.ops.telemetry import (
+    StateCollector,
+    Telemetry,
+    context_fragments,
+    register_process_metrics,
+    round_ms,
+)
 from sidecar.policy.engine_routes import RouteTable, control_route, normalize_path
 from sidecar.policy.schema import LoadedPolicy, PolicyError
 from sidecar.policy.source import PolicySource
@@ -447,10 +453,10 @@ class SidecarApp:
         # ``now``) is 0.0, as ``max(0.0, age)`` gave.
         if e is not None:
             age = now - e.observed_at
-            engine = {**engine, "age_s": round(age, 3) if age > 0.0 else 0.0}
+            engine = {**engine, "age_s": round_ms(age) if age > 0.0 else 0.0}
         if g is not None:
             age = now - g.observed_at
-            gpu = {**gpu, "age_s": round(age, 3) if age > 0.0 else 0.0}
+            gpu = {**gpu, "age_s": round_ms(age) if age > 0.0 else 0.0}
         return {**head, "held": a.held, "engine": engine, "gpu": gpu}
 
     def _log_context_json(self) -> tuple[bytes, ...] | None:
@@ -471,9 +477,9 @@ class SidecarApp:
             parts[0],
             b"%d" % a.held,
             parts[1],
-            b"" if e is None else orjson.dumps(round(age, 3) if (age := now - e.observed_at) > 0.0 else 0.0),
+            b"" if e is None else orjson.dumps(round_ms(age) if (age := now - e.observed_at) > 0.0 else 0.0),
             parts[2],
-            b"" if g is None else orjson.dumps(round(age, 3) if (age := now - g.observed_at) > 0.0 else 0.0),
+            b"" if g is None else orjson.dumps(round_ms(age) if (age := now - g.observed_at) > 0.0 else 0.0),
             parts[3],
         )
 

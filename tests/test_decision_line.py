@@ -4,11 +4,14 @@ dict, whatever the snapshot holds (no engine report, no GPU reading, NaN usage, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.app import SidecarApp
 from sidecar.core import demand
@@ -121,3 +124,24 @@ def test_the_wall_clock_is_written_to_the_millisecond() -> None:
     assert ts == round(ts, 3)
     text = orjson.dumps(ts).decode()
     assert len(text.partition(".")[2]) <= 3
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.one_of(
+        st.floats(min_value=0.0),
+        st.sampled_from([math.nan, math.inf]),
+        st.floats(0.0, 1e4),
+        st.integers(0, 10**13).map(lambda k: (k + 0.5) / 1000),
+        st.integers(0, 10**13).map(lambda k: math.nextafter((k + 0.5) / 1000, math.inf)),
+        st.integers(0, 10**13).map(lambda k: math.nextafter((k + 0.5) / 1000, -math.inf)),
+        st.sampled_from([5e-4, 1.0005, 2.0005, 1e9 + 0.0005, 1e12, 1e9]),
+    )
+)
+def test_round_ms_is_round_to_three_places(x: float) -> None:
+    """A signal's age, rounded without dtoa where that cannot differ (half-way cases, ties to even,
+    huge values, NaN and infinity go ``round``'s way): the same float, sign and all."""
+    from sidecar.ops.telemetry import round_ms
+
+    assert repr(round_ms(x)) == repr(round(x, 3))
+    assert orjson.dumps(round_ms(x)) == orjson.dumps(round(x, 3))

@@ -501,6 +501,20 @@ def wall_ts() -> float:
     return (time.time_ns() + 500_000) // 1_000_000 / 1000
 
 
+def round_ms(x: float) -> float:
+    """``round(x, 3)`` for a positive ``x`` (a signal's age), the same float in fewer instructions:
+    ``round`` takes dtoa's correctly rounded decimal and parses it back (~3.4k instructions). Here
+    ``x * 1000`` is within a ten-thousandth of its exact value below 1e12, so where it is not within
+    0.01 of a half its nearest integer is the exact value's, and one division gives the float
+    nearest that many thousandths, which is ``round``'s. Near a half, or beyond, ``round`` itself."""
+    q = x * 1000.0
+    if 0.0 < q < 1e12:
+        r = round(q)
+        if -0.49 < q - r < 0.49:
+            return r / 1000
+    return round(x, 3)
+
+
 def decision_record(
     d: Decision,
     cost: Demand,
