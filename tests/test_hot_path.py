@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from sidecar.core.snapshot import EngineSignals
+from sidecar.http import proxy
 from sidecar.http.access_log import ACCESS_NOTE, AccessLog
-from sidecar.http.hosts import json_body_refusal
+from sidecar.http.hosts import json_media_refusal
+from tests.conftest import small_policy
 
 
 @pytest.mark.parametrize(
@@ -38,14 +40,21 @@ def test_mamba_total_slots(
     assert e.mamba_total_slots == total
 
 
-def test_json_body_refusal_reads_the_first_content_type() -> None:
+def test_a_gated_request_is_judged_by_its_first_content_type() -> None:
+    """``_scan_gated`` keeps the first Content-Type; ``json_media_refusal`` answers for it."""
+    intake = proxy._Intake(small_policy())
+
+    def refusal(headers: list[tuple[bytes, bytes]]) -> Any:
+        return json_media_refusal(proxy._scan_gated(headers, intake)[1])
+
     json_first = [(b"host", b"x"), (b"content-type", b"application/json"), (b"content-type", b"text/plain")]
-    assert json_body_refusal(json_first) is None
+    assert refusal(json_first) is None
     text_first = [(b"content-type", b"text/plain"), (b"content-type", b"application/json")]
-    refused = json_body_refusal(text_first)
+    refused = refusal(text_first)
     assert refused is not None and refused[0] == 415
-    missing = json_body_refusal([(b"host", b"x")])
+    missing = refusal([(b"host", b"x")])
     assert missing is not None and missing[0] == 415
+    assert refusal([(b"content-type", b"Application/Problem+JSON; charset=utf-8")]) is None
 
 
 class _Cycle:

@@ -109,18 +109,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def json_body_refusal(headers: list[tuple[bytes, bytes]]) -> Response | None:
-    """None when the Content-Type is ``application/json`` or ``application/<x>+json``; else 415."""
-    value = None
-    for k, v in headers:  # on every gated request: a loop, not a generator
-        if k == b"content-type":
-            value = v
-            break
-    return json_media_refusal(value)
-
-
 def json_media_refusal(value: bytes | None) -> Response | None:
-    """:func:`json_body_refusal` of the request's first Content-Type value (None: it sent none)."""
+    """None when the request's first Content-Type value (None: it sent none) is ``application/json`` or
+    ``application/<x>+json``; else 415."""
     if value is not None:
         media = value.split(b";", 1)[0].strip().lower()
         if media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json")):

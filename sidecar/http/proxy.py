@@ -201,10 +201,8 @@ class Proxy:
         """The admission handle around the whole request (its one outcome, decided on exit), the body,
         and the client's disconnect watched from then on.
 
-        The headers are read once (``_scan_gated``: what ``_header_problem``, ``json_body_refusal``,
-        ``_client_request_id``, ``read_body``'s Content-Length check, ``_headers_dict`` and
-        ``_request_header_bytes`` each read in a pass of their own), and a body that comes in one message
-        is taken here, without ``read_body``'s coroutine (issue #27)."""
+        The headers are read once (``_scan_gated``), and a body that comes in one message is taken here,
+        without ``read_body``'s coroutine (issue #27)."""
         a = self.admission
         intake = self._intake
         if intake.loaded is not a.loaded:  # once per policy, not per request
@@ -949,13 +947,6 @@ def new_request_id() -> str:
     return _random_bits(128).to_bytes(16, "big").hex()
 
 
-def _client_request_id(scope: Scope) -> str | None:
-    for k, v in scope["headers"]:
-        if k == b"x-request-id":
-            return _request_id_of(v)
-    return None
-
-
 def _request_id_of(value: bytes) -> str | None:
     """A client's X-Request-Id value, kept when it looks like an id."""
     return value.decode("latin-1") if _REQUEST_ID.match(value) else None
@@ -989,7 +980,7 @@ def _decoded(scope: Scope) -> list[tuple[bytes, str, str]]:
     """The request's headers decoded once per request (the parser and the forwarder both read them).
 
     Values as UTF-8: aiohttp writes header strings as UTF-8, so this relays the client's bytes
-    unchanged (latin-1 turned `café` into `cafÃ©`); `_header_problem` has refused non-UTF-8 values.
+    unchanged (latin-1 turned `café` into `cafÃ©`); the scans have refused non-UTF-8 values (`_not_utf8`).
     """
     decoded = scope.get(_DECODED)
     if decoded is None:
@@ -1073,13 +1064,13 @@ def _scan_gated(
     list[tuple[bytes, bytes]] | None,
     list[tuple[bytes, bytes]],
 ]:
-    """A gated request's headers in one pass (issue #27: six passes, each a function, read them before):
-    the name of the first value that is not UTF-8 (``_header_problem``), the first Content-Type
-    (``json_body_refusal``), the first X-Request-Id (``_client_request_id``), the Content-Length
-    (``_SEVERAL`` when sent more than once: ``read_body`` checks those), the headers the body parser
-    reads (``_headers_dict``'s, undecoded; None when none) and those to forward
-    (``_request_header_bytes(scope, False)``). ``tests/test_proxy_scan.py`` compares each with its
-    function on generated header lists."""
+    """A gated request's headers in one pass (issue #27: six passes read them before): the name of the
+    first value that is not UTF-8 (answered by ``_not_utf8``), the first Content-Type (by
+    ``json_media_refusal``), the first X-Request-Id, the Content-Length (``_SEVERAL`` when sent more than
+    once: ``read_body`` checks those), the headers the body parser reads (``_headers_dict``'s, undecoded;
+    None when none) and those to forward (``_request_header_bytes(scope, False)``).
+    ``tests/test_proxy_scan.py`` holds each equal to a plain one-question-per-pass reading of the rule
+    on generated header lists."""
     special = intake.special
     names = intake.names
     forward = []
@@ -1119,9 +1110,9 @@ def _scan_pass(
     headers: list[tuple[bytes, bytes]],
 ) -> tuple[bytes | None, bytes | None, bool, list[tuple[bytes, bytes]]]:
     """A pass-through request's headers in one pass: the name of the first value that is not UTF-8
-    (``_header_problem``), the Content-Length and whether the body is chunked (how it is read), and the
+    (answered by ``_not_utf8``), the Content-Length and whether the body is chunked (how it is read), and the
     headers to forward when the body is read whole (``_request_header_bytes(scope, False)``; a relayed
-    body keeps its Content-Length and reads them again). Compared with those functions in
+    body keeps its Content-Length and reads them again). Compared with plain readings in
     ``tests/test_proxy_scan.py``."""
     forward = []
     bad = length = None
@@ -1184,17 +1175,9 @@ def _request_headers(scope: Scope, *, keep_length: bool = False) -> CIMultiDict[
     return CIMultiDict([(k, v) for name, k, v in _decoded(scope) if name not in drop])
 
 
-def _header_problem(scope: Scope) -> Response | None:
+def _not_utf8(name: bytes) -> Response:
     """A 400 for a header value that is not UTF-8: the upstream client can only send UTF-8 header text,
     so such bytes could not be relayed unchanged (they would be dropped or re-encoded)."""
-    for k, v in scope["headers"]:
-        if not v.isascii() and not _is_utf8(v):
-            return _not_utf8(k)
-    return None
-
-
-def _not_utf8(name: bytes) -> Response:
-    """``_header_problem``'s answer for the header ``name``."""
     return error_response(
         400,
         f'header "{name.decode("latin-1")}" has bytes that are not UTF-8; the sidecar relays header bytes '
