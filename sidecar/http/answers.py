@@ -92,22 +92,20 @@ def decision_fields(d: Decision, demand: Demand) -> dict[str, Any]:
         "projected_bytes": demand.projected_bytes,
         "headroom_bytes": d.headroom_bytes,
         "retry_after_s": d.retry_after_s,
-        # One dict per check (``limit`` only where the check names one), built inline: a function call
-        # per check was per-decision work too (issue #27).
-        "checks": [
-            {
-                "name": c.name,
-                "ok": c.ok,
-                "need": c.need,
-                "have": c.have,
-                "note": c.note or None,
-                "limit": c.limit,
-            }
-            if c.limit
-            else {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
-            for c in d.checks
-        ],
+        "checks": check_fields(d.checks),
     }
+
+
+def check_fields(checks: tuple[Check, ...]) -> list[dict[str, Any]]:
+    """The decision's checks as ``decision_fields`` and the decision line write them: one dict per check,
+    ``limit`` only where the check names one. One call per decision, the dicts built inline (a call per
+    check was per-decision work too, issue #27)."""
+    return [
+        {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None, "limit": c.limit}
+        if c.limit
+        else {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
+        for c in checks
+    ]
 
 
 def unfit_check(d: Decision) -> Check | None:

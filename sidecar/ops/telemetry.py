@@ -39,6 +39,7 @@ from sidecar.core.decision import Action, Decision, Reason
 from sidecar.core.demand import Demand
 from sidecar.core.ledger import LedgerTotals
 from sidecar.core.rules import Rules
+from sidecar.http.answers import check_fields
 from sidecar.ops import logs
 from sidecar.ops.router_view import fit_prompt_tokens
 
@@ -528,8 +529,9 @@ def decision_record(
 
     The decision's members are :func:`~sidecar.http.answers.decision_fields`' (the 503 body's and
     explain's), written out here in one dict display: that call, its dict and the merge cost ~5k
-    instructions per gated request (issue #27); ``tests/test_decision_line.py`` checks they stay
-    the same members. A wait of exactly 0 (a request decided at once) is its own rounding."""
+    instructions per gated request (issue #27); the checks come from the one writer both use,
+    :func:`~sidecar.http.answers.check_fields`, and ``tests/test_decision_line.py`` checks the other
+    members stay the same. A wait of exactly 0 (a request decided at once) is its own rounding."""
     reason = d.reason
     return {
         "ts": wall_ts() if ts is None else ts,
@@ -546,19 +548,7 @@ def decision_record(
         "projected_bytes": cost.projected_bytes,
         "headroom_bytes": d.headroom_bytes,
         "retry_after_s": d.retry_after_s,
-        "checks": [
-            {
-                "name": c.name,
-                "ok": c.ok,
-                "need": c.need,
-                "have": c.have,
-                "note": c.note or None,
-                "limit": c.limit,
-            }
-            if c.limit
-            else {"name": c.name, "ok": c.ok, "need": c.need, "have": c.have, "note": c.note or None}
-            for c in d.checks
-        ],
+        "checks": check_fields(d.checks),
         "waited_s": waited_s if waited_s == 0.0 else round(waited_s, 4),
         "ledger": {
             "requests": ledger.requests,
