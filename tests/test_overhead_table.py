@@ -142,3 +142,28 @@ def test_each_figure_has_the_floor_s_beside_it_and_says_whether_the_floor_alone_
     assert (
         goals["CPU per gated small request / floor"]["floor"] is None
     )  # the floor is what it is measured by
+
+
+def test_a_saturation_row_keeps_its_cheapest_round_with_the_spread_and_every_round() -> None:
+    """Noise only adds CPU: the row is the round that cost least, and says how far the rounds were apart."""
+    rounds = [
+        {"cpu_s_per_1000_requests": 0.30, "requests_per_s": 3000.0, "errors": 2},
+        {"cpu_s_per_1000_requests": 0.20, "requests_per_s": 4500.0, "errors": 0},
+        {"cpu_s_per_1000_requests": 0.25, "requests_per_s": 3900.0, "errors": 0},
+    ]
+    r = overhead._saturation_row("sidecar", "small", rounds)
+    assert (r["path"], r["load"], r["kind"]) == ("sidecar", "saturation", "small")
+    assert r["cpu_s_per_1000_requests"] == 0.20
+    assert r["requests_per_s"] == 4500.0  # the cheapest round's own figures, not a mix of rounds
+    assert r["errors"] == 0
+    assert r["errors_all_rounds"] == 2
+    assert overhead._errors(r) == 2  # the table's err column: a round that failed is not hidden
+    assert r["rounds"] == 3
+    assert r["cpu_spread"] == pytest.approx(1.5)
+    assert r["cpu_s_per_1000_requests_rounds"] == [0.30, 0.20, 0.25]
+
+
+def test_rounds_below_one_are_refused_with_the_flag_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        overhead.main(["--rounds", "0"])
+    assert "--rounds must be 1 or more, got 0" in capsys.readouterr().err
