@@ -35,6 +35,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_BODY = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode()
+# ``sse``: a gated streaming request of 100 events (overhead.py's ``sse`` shape), to set its per-request
+# cost beside the small request's: the difference is what a stream adds apart from relaying its events.
+SSE_EVENTS = 100
+SSE_BODY = json.dumps(
+    {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": SSE_EVENTS}}
+).encode()
+KINDS = ("gated", "pass", "sse")
 
 
 def _free_port() -> int:
@@ -43,10 +50,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _scope(gated: bool) -> dict[str, Any]:
+def _body(kind: str) -> bytes:
+    return {"gated": SMALL_BODY, "sse": SSE_BODY}.get(kind, b"")
+
+
+def _scope(kind: str) -> dict[str, Any]:
+    gated = kind != "pass"
     hdrs = [(b"host", b"127.0.0.1:8000")]
     if gated:
-        hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(SMALL_BODY)).encode())]
+        hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(_body(kind))).encode())]
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -55,7 +67,7 @@ def _scope(gated: bool) -> dict[str, Any]:
         "scheme": "http",
         "path": "/generate" if gated else "/v1/models",
         "raw_path": b"/generate" if gated else b"/v1/models",
-        "query_string": b"",
+        "query_string": f"events={SSE_EVENTS}".encode() if kind == "sse" else b"",
         "root_path": "",
         "headers": hdrs,
         "client": ("127.0.0.1", 50000),
@@ -64,14 +76,14 @@ def _scope(gated: bool) -> dict[str, Any]:
     }
 
 
-async def _one(app: Any, gated: bool) -> int:
+async def _one(app: Any, kind: str) -> int:
     status = [0]
     sent_body = [False]
 
     async def receive() -> dict[str, Any]:
         if not sent_body[0]:
             sent_body[0] = True
-            return {"type": "http.request", "body": SMALL_BODY if gated else b"", "more_body": False}
+            return {"type": "http.request", "body": _body(kind), "more_body": False}
         await asyncio.Event().wait()  # no disconnect: the request ends first
         raise AssertionError
 
@@ -79,7 +91,7 @@ async def _one(app: Any, gated: bool) -> int:
         if msg["type"] == "http.response.start":
             status[0] = msg["status"]
 
-    await app(_scope(gated), receive, send)
+    await app(_scope(kind), receive, send)
     return status[0]
 
 
@@ -110,10 +122,9 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
     deadline = time.monotonic() + 20
     while app.admission.snapshot.engine is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    gated = kind == "gated"
     phases = _time_phases() if os.environ.get("GATE_PHASES") else None
     for _ in range(300):  # warm: connections, caches
-        assert await _one(app, gated) == 200
+        assert await _one(app, kind) == 200
     if phases is not None:
         phases.update(dict.fromkeys(phases, 0))
     import gc
@@ -135,7 +146,7 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
         t0 = time.process_time()
         size = n // chunks + (c < n % chunks)
         for _ in range(size):
-            await _one(app, gated)
+            await _one(app, kind)
         cpu_per.append((time.process_time() - t0) / size)
     if prof:
         prof.disable()
@@ -288,13 +299,18 @@ def _phase_table(phased: dict[str, dict[str, Any]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", choices=["gated", "pass"])
+    ap.add_argument("--child", choices=KINDS)
     ap.add_argument("--upstream")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("-n", type=int, default=2000)
     ap.add_argument("--base", help="another checkout to compare with (before); default: this one only")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--profile-kind", choices=KINDS, default="gated", help="the kind cProfile'd per tree")
+    ap.add_argument(
+        "--sse", action="store_true",
+        help=f"also a gated stream of {SSE_EVENTS} events per round: what a stream adds per request",
+    )  # fmt: skip
     ap.add_argument("--phases", action="store_true", help="also time the gate's pieces (PHASES) per tree")
     ap.add_argument("--labels", default="after,before", help="names of this tree and --base's in the report")
     ap.add_argument(
@@ -322,11 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     upstream = f"http://127.0.0.1:{port}"
     try:
         _wait_up(upstream + "/health")
-        cpu: dict[tuple[str, str], list[float]] = {(t, k): [] for t in trees for k in ("gated", "pass")}
+        kinds = KINDS if args.sse else ("gated", "pass")
+        cpu: dict[tuple[str, str], list[float]] = {(t, k): [] for t in trees for k in kinds}
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             for tree in order:
-                for kind in ("gated", "pass"):
+                for kind in kinds:
                     cpu[tree, kind].append(
                         _run_child(trees[tree], upstream, kind, args.n)["cpu_us_per_request"]
                     )
@@ -334,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"round {r + 1}: " + ", ".join(f"{t}/{k} {v[-1]:.0f}" for (t, k), v in cpu.items()),
                 flush=True,
             )
-        profiles = {t: _run_child(trees[t], upstream, "gated", args.n, profile=True) for t in trees}
+        profiles = {t: _run_child(trees[t], upstream, args.profile_kind, args.n, profile=True) for t in trees}
         phased = (
             {t: _run_child(trees[t], upstream, "gated", args.n, phases=True) for t in trees}
             if args.phases
@@ -349,10 +366,15 @@ def main(argv: list[str] | None = None) -> int:
         f"- rounds: {args.rounds}, {args.n} sequential requests per child{per}, medians (µs CPU per request)",
         "",
     ]
-    lines += ["| tree | gated | pass-through | gate work (gated - pass) |", "|---|---|---|---|"]
+    sse = f" | sse ({SSE_EVENTS} events) | sse - gated" if args.sse else ""
+    lines += [
+        f"| tree | gated | pass-through | gate work (gated - pass){sse} |",
+        "|---" * (6 if sse else 4) + "|",
+    ]
     for t in trees:
         g, p = med[t, "gated"], med[t, "pass"]
-        lines.append(f"| {t} | {g:.0f} | {p:.0f} | {g - p:.0f} |")
+        more = f" | {med[t, 'sse']:.0f} | {med[t, 'sse'] - g:.0f}" if args.sse else ""
+        lines.append(f"| {t} | {g:.0f} | {p:.0f} | {g - p:.0f}{more} |")
     if args.base:
         work = {t: med[t, "gated"] - med[t, "pass"] for t in trees}
         lines += [
@@ -369,13 +391,13 @@ def main(argv: list[str] | None = None) -> int:
         body = [report]
         for t, prof in profiles.items():
             body += [
-                f"\n## cProfile, gated path, {t}: by own time\n",
+                f"\n## cProfile, {args.profile_kind} path, {t}: by own time\n",
                 "```",
                 prof["profile_tottime"].strip(),
                 "```",
             ]
             body += [
-                f"\n## cProfile, gated path, {t}: cumulative\n",
+                f"\n## cProfile, {args.profile_kind} path, {t}: cumulative\n",
                 "```",
                 prof["profile_cumulative"].strip(),
                 "```",
