@@ -387,6 +387,8 @@ def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], t
             for name, s in srv.items():
                 if kind == "sse-long" and name not in ("nginx", "sidecar", OWN_FLOOR):
                     continue
+                if args.servers and name not in args.servers:
+                    continue
                 if rnd == 0:  # warm: connections, caches, the sidecar's first-use paths
                     wrk(args, cores, s.url + path, script, 1)
                 cpu0 = cpu_seconds(s.pid)
@@ -804,10 +806,14 @@ def main(argv: list[str] | None = None) -> int:
         help="ASGI servers measured as floors with the sidecar's client (default: those installed)",
     )  # fmt: skip
     ap.add_argument("--no-hold-queue", action="store_true", help="skip bench/hold_queue.py's figures")
+    ap.add_argument(
+        "--servers", help="saturation through these only (comma-separated, e.g. sidecar,nginx; default all)"
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be 1 or more, got {args.rounds}")
     args.floors = [f for f in args.floors.split(",") if f]
+    args.servers = [x for x in (args.servers or "").split(",") if x]
     args.seconds = args.seconds or (2.0 if args.quick else 8.0)
     args.large_reps = args.large_reps or (3 if args.quick else 10)
     MACHINE = args.machine or f"{os.cpu_count()} cores, {cpu_model()}"

@@ -35,8 +35,35 @@ def _turns_from_env() -> None:
         proxy._Turns.__init__.__defaults__ = (budget, clock, int(os.environ["BENCH_TURNS_MIN"]))
 
 
+def _log_sink_from_env() -> None:
+    """``BENCH_LOG_SINK=1`` (experiments only): the decision log's lines are built as usual and handed
+    to a writer that keeps the last few and writes nothing (no thread, no syscall): with ``--decision-log``
+    on, the difference from a normal run is what the writer thread costs, apart from building the lines."""
+    import collections
+    import os
+
+    if os.environ.get("BENCH_LOG_SINK"):
+        from sidecar.ops import telemetry
+
+        class Sink:
+            dropped = 0
+
+            def __init__(self, stream: object, *a: object, **k: object) -> None:
+                self.stream = stream
+                self._lines: collections.deque[bytes] = collections.deque(maxlen=64)
+
+            def put(self, line: bytes) -> None:
+                self._lines.append(line)
+
+            def close(self, timeout_s: float = 5.0) -> None:
+                pass
+
+        telemetry.LineWriter = Sink  # type: ignore[misc,assignment]
+
+
 def main() -> int:
     _turns_from_env()
+    _log_sink_from_env()
     run = sidecar.cli.run_uvicorn
     freeze = sidecar.cli._freeze_startup_objects
     probe = LagProbe()
