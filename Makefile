@@ -38,7 +38,7 @@ test: $(STAMP) $(TOOLS)
 	$(BIN)/ruff check sidecar sidecar_emulator tests bench grafana
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS)
 
-# Proxy overhead against nginx and direct (bench/overhead.py); ARGS="--quick" for a two-minute run.
+# Proxy overhead against nginx and direct (bench/overhead.py); ARGS="--quick" for a run of about four minutes (three saturation rounds).
 # nginx and wrk come from Debian's packages, extracted into .tools/ when they are not installed.
 bench-overhead: $(STAMP)
 	$(BIN)/python bench/overhead.py $(ARGS)

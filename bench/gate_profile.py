@@ -50,8 +50,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+BODIES = {"gated": SMALL_BODY, "sse": SSE_BODY, "pass": b""}
+
+
 def _body(kind: str) -> bytes:
-    return {"gated": SMALL_BODY, "sse": SSE_BODY}.get(kind, b"")
+    return BODIES[kind]
 
 
 def _scope(kind: str) -> dict[str, Any]:

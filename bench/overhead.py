@@ -373,6 +373,10 @@ def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], t
     put every server in every stretch of the run; each row keeps the round that cost the least CPU per
     request (noise only adds CPU: cache and core sharing), with the spread over the rounds beside it
     (``cpu_spread``: dearest / cheapest) and every round's figure (``cpu_s_per_1000_requests_rounds``).
+    The rounds share one process per server: they do not sample the spread between processes, which
+    was ~20 % for the sidecar's gated request on a quiet lent host (a process's CPU per request at
+    saturation is 1 / its throughput, and that moves with how requests batch per loop turn;
+    bench/results/2026-12-07-issue27-lent-quiet.md). Compare trees over several runs.
     """
     shapes = {
         "small": ("/generate", "POST", SMALL_BODY, 1),
@@ -777,7 +781,11 @@ def print_busy(lags: dict[str, dict], floor_lags: dict[str, dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     global MACHINE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="short phases (under two minutes in all)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="short phases (about four minutes in all with three rounds, under two with --rounds 1)",
+    )
     ap.add_argument(
         "--seconds", type=float, help="length of each saturation and paced phase (default 8, quick 2)"
     )
@@ -814,6 +822,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds must be 1 or more, got {args.rounds}")
     args.floors = [f for f in args.floors.split(",") if f]
     args.servers = [x for x in (args.servers or "").split(",") if x]
+    names = ["direct", "nginx", "sidecar", "floor"] + [f"floor-{f}" for f in args.floors]
+    unknown = [x for x in args.servers if x not in names]
+    if unknown:  # a misspelt name would measure nothing and print an empty table
+        ap.error(f"--servers: no server named {', '.join(unknown)} (there are: {', '.join(names)})")
     args.seconds = args.seconds or (2.0 if args.quick else 8.0)
     args.large_reps = args.large_reps or (3 if args.quick else 10)
     MACHINE = args.machine or f"{os.cpu_count()} cores, {cpu_model()}"

@@ -167,3 +167,11 @@ def test_rounds_below_one_are_refused_with_the_flag_named(capsys: pytest.Capture
     with pytest.raises(SystemExit):
         overhead.main(["--rounds", "0"])
     assert "--rounds must be 1 or more, got 0" in capsys.readouterr().err
+
+
+def test_a_misspelt_server_is_refused_with_the_names_there_are(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        overhead.main(["--servers", "sidecar,ngnix", "--floors", "uvicorn"])
+    err = capsys.readouterr().err
+    assert "--servers: no server named ngnix" in err
+    assert "direct, nginx, sidecar, floor, floor-uvicorn" in err
