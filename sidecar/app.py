@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission.clock import LoopClock
@@ -40,11 +39,14 @@ from sidecar.ops import learned_file
 from sidecar.ops.admin import ADMIN_PATHS, PROBE_PATHS, build_admin
 from sidecar.ops.loads import LOADS_PATH, LoadsEndpoint
 from sidecar.ops.telemetry import (
+    LogCapture,
+    SnapshotContext,
     StateCollector,
     Telemetry,
+    context_dict,
     context_fragments,
+    context_members,
     register_process_metrics,
-    round_ms,
 )
 from sidecar.policy.engine_routes import RouteTable, control_route, normalize_path
 from sidecar.policy.schema import LoadedPolicy, PolicyError
@@ -103,9 +105,8 @@ class SidecarApp:
             # kept as it changes (ops/learned_file); a file it cannot use raises StateFileError.
             learned_file.keep(state_file, self.admission.watch, clock)
             self.admission.refresh_rules()  # the rules in force with what was restored
-        self._context_cache: tuple[Any, ...] | None = None
-        self.telemetry.context = self._log_context
-        self.telemetry.context_json = self._log_context_json
+        self._context_cache: SnapshotContext | None = None
+        self.telemetry.capture = self._log_capture
         self.counter = PromptCounter(_counter_config(policy), engine_tokenize=self._engine_tokenize)
         self.trust_emulator_sizes = trust_emulator_sizes
         self.proxy = Proxy(
@@ -437,53 +438,33 @@ class SidecarApp:
         probe = demand.build(self.admission.rules, 1, arrived_at=self.clock())
         return self.admission.evaluate(probe).admitted
 
-    def _log_context(self) -> dict[str, Any]:
-        """The decision log's view of the lane at this decision, as a dict: for the process's log
-        pipeline (no ``--decision-log`` file) and a record orjson refuses. What a snapshot carries is
-        taken once per snapshot (``_snapshot_context``); only the queue length and the signals' ages
-        are read per decision (issue #27: the whole record was rebuilt per request)."""
+    def _log_capture(self) -> LogCapture:
+        """The decision log's view of the lane at this decision, taken by value for its line to be
+        written later (``telemetry.render_decision``): what a snapshot carries, kept once per snapshot
+        (``_snapshot_parts``: its dicts and their JSON), the held count and the signals' ages now."""
         a = self.admission
         snap, now = a.snapshot, self.clock()
         cached = self._context_cache
         if cached is None or cached[0] is not snap or cached[1] is not a.loaded or cached[2] != a.shadow:
             cached = self._snapshot_parts(a, snap)
-        _, _, _, head, engine, gpu, _ = cached
-        e, g = snap.engine, snap.gpu
-        # One dict display per part, no copy updated in place; an age below 0 (a reading stamped after
-        # ``now``) is 0.0, as ``max(0.0, age)`` gave.
-        if e is not None:
-            age = now - e.observed_at
-            engine = {**engine, "age_s": round_ms(age) if age > 0.0 else 0.0}
-        if g is not None:
-            age = now - g.observed_at
-            gpu = {**gpu, "age_s": round_ms(age) if age > 0.0 else 0.0}
-        return {**head, "held": a.held, "engine": engine, "gpu": gpu}
-
-    def _log_context_json(self) -> tuple[bytes, ...] | None:
-        """:meth:`_log_context` as the JSON members a decision line ends with, in pieces
-        (``telemetry.spliced``): what a snapshot carries serialized once per snapshot
-        (``telemetry.context_fragments``), the held count and the signals' ages per decision. None:
-        the dict's way (orjson refused a part)."""
-        a = self.admission
-        snap, now = a.snapshot, self.clock()
-        cached = self._context_cache
-        if cached is None or cached[0] is not snap or cached[1] is not a.loaded or cached[2] != a.shadow:
-            cached = self._snapshot_parts(a, snap)
-        parts = cached[6]
-        if parts is None:
-            return None
         e, g = snap.engine, snap.gpu
         return (
-            parts[0],
-            b"%d" % a.held,
-            parts[1],
-            b"" if e is None else orjson.dumps(round_ms(age) if (age := now - e.observed_at) > 0.0 else 0.0),
-            parts[2],
-            b"" if g is None else orjson.dumps(round_ms(age) if (age := now - g.observed_at) > 0.0 else 0.0),
-            parts[3],
+            cached,
+            a.held,
+            None if e is None else now - e.observed_at,
+            None if g is None else now - g.observed_at,
         )
 
-    def _snapshot_parts(self, a: Admission, snap: Snapshot) -> tuple[Any, ...]:
+    def _log_context(self) -> dict[str, Any]:
+        """:meth:`_log_capture` as the dict a decision line's context is (``telemetry.context_dict``)."""
+        return context_dict(self._log_capture())
+
+    def _log_context_json(self) -> tuple[bytes, ...] | None:
+        """:meth:`_log_capture` as the JSON members a decision line ends with, in pieces
+        (``telemetry.context_members``); None: the dict's way (orjson refused a part)."""
+        return context_members(self._log_capture())
+
+    def _snapshot_parts(self, a: Admission, snap: Snapshot) -> SnapshotContext:
         """The context's parts that change only with a snapshot or the policy, kept (with what they
         were taken from) until either changes: one cache for both ways, the dicts and their JSON
         (``telemetry.context_fragments``)."""

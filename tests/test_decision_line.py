@@ -1,6 +1,8 @@
-"""The decision line's context written from JSON fragments kept per snapshot (``Telemetry.context_json``,
+"""The decision line's context written from JSON fragments kept per snapshot (``SidecarApp._log_context_json``,
 ``telemetry.spliced``): the same bytes as one ``orjson.dumps`` of the record merged with the context's
-dict, whatever the snapshot holds (no engine report, no GPU reading, NaN usage, ages below zero)."""
+dict, whatever the snapshot holds (no engine report, no GPU reading, NaN usage, ages below zero). A
+decision-log file's line is built later, on the writer's thread, from what the decision took by value
+(``Telemetry.capture``, ``telemetry.render_decision``): the same bytes as the line of that instant."""
 
 from __future__ import annotations
 
@@ -145,3 +147,74 @@ def test_round_ms_is_round_to_three_places(x: float) -> None:
 
     assert repr(round_ms(x)) == repr(round(x, 3))
     assert orjson.dumps(round_ms(x)) == orjson.dumps(round(x, 3))
+
+
+def test_a_deferred_line_is_the_lane_at_its_decision(tmp_path: Path) -> None:
+    """A decision-log file's line is built on the writer's thread, later (``render_decision``), from
+    what ``Telemetry.decision`` took at the decision: a snapshot and a held count that changed before
+    the writer ran do not reach it. The line is the in-loop line of that instant."""
+    import io
+
+    from sidecar.ops.telemetry import Telemetry, render_decision
+
+    app = _app(tmp_path)
+    a = app.admission
+    a.update_snapshot(snapshot(NOW - 0.25))
+    a._queue.live = 3  # type: ignore[misc]
+    want = demand.build(a.rules, 100, arrived_at=NOW, request_id="r-1")
+    d = a.evaluate(want)
+    record = decision_record(d, want, 0.5, a.ledger.totals, {})
+    members = app._log_context_json()
+    assert members is not None
+    telemetry = Telemetry(type(app.registry)(), io.StringIO())
+    telemetry.capture = app._log_capture
+    assert telemetry._writer is not None
+    taken: list[object] = []
+    telemetry._writer.put = taken.append  # type: ignore[method-assign]  # what the writer would render
+    telemetry.decision(d, want, 0.5, a.ledger.totals)
+    a.update_snapshot(snapshot(NOW - 0.01, free_bytes=None))  # a new snapshot, no GPU reading
+    a._queue.live = 9  # type: ignore[misc]
+    (item,) = taken
+    line = render_decision(item)  # type: ignore[arg-type]
+    record["ts"] = orjson.loads(line)["ts"]
+    assert line == spliced(record, members)
+    fields = orjson.loads(line)
+    assert fields["held"] == 3 and fields["gpu"] is not None  # the new snapshot has no GPU reading
+
+
+def test_a_deferred_line_orjson_refuses_is_the_merged_dicts(tmp_path: Path) -> None:
+    """``render_decision`` where orjson refuses the record (an integer past 64 bits): the merged dict
+    through ``_line`` (the standard encoder), the context included, as the in-loop line was."""
+    from sidecar.core.decision import Action, Decision
+    from sidecar.ops.telemetry import render_decision
+
+    app = _app(tmp_path)
+    a = app.admission
+    a.update_snapshot(snapshot(NOW - 0.25))
+    want = replace(demand.build(a.rules, 100, arrived_at=NOW, request_id="r-2"), projected_bytes=1 << 70)
+    d = Decision(Action.ADMIT, None, None, 5, ())
+    line = render_decision((d, want, 0.0, a.ledger.totals, 1796600000.125, app._log_capture()))
+    merged = decision_record(d, want, 0.0, a.ledger.totals, app._log_context(), 1796600000.125)
+    assert line == _line(merged).encode()
+    assert b'"projected_bytes":%d' % (1 << 70) in line and b'"gpu":{' in line
+
+
+def test_a_line_that_cannot_be_rendered_is_dropped_counted_and_the_rest_written() -> None:
+    """The writer renders what is not bytes; an item whose rendering raises is dropped and counted
+    (``decision_log_dropped_total``), logged, and the lines before and after it still go out."""
+    import io
+
+    from sidecar.ops.telemetry import LineWriter
+
+    def render(item: object) -> bytes:
+        if item == "bad":
+            raise ValueError("cannot render")
+        return str(item).encode()
+
+    out = io.StringIO()
+    writer = LineWriter(out, batch_s=0.0, render=render)
+    for item in (b"1", "bad", 2):
+        writer.put(item)
+    writer.close()
+    assert out.getvalue().splitlines() == ["1", "2"]
+    assert writer.dropped == 1

@@ -74,21 +74,29 @@ class LineWriter:
     Bounded: if the writer falls ``max_pending`` lines behind, new lines are dropped and counted
     (``decision_log_dropped_total``) rather than growing memory or blocking requests.
 
-    Cheap per line: ``put`` is a deque append (atomic under the GIL) of the line's UTF-8 bytes, decoded
-    once per batch on the writer's thread; the writer is woken only when a line lands in an empty
-    buffer, and waits ``batch_s`` after each write so that lines arriving meanwhile go out together. A
-    ``queue.Queue`` here cost a lock and a thread wake-up per decision, ~15 % of the sidecar's CPU on
-    small requests at saturation (py-spy, issue #12). The wake-up is a bare lock released by ``put``
-    (one C call), not a ``threading.Event``, whose ``set``/``wait``/``clear`` run a Condition's Python
-    code on both threads at each wake-up (issue #27).
+    Cheap per line: ``put`` is a deque append (atomic under the GIL), of a line's UTF-8 bytes or of
+    what ``render`` turns into them on the writer's thread (a decision's values, ``render_decision``:
+    the line is built there, off the request's path, a batch at a time). The writer is woken only when
+    an item lands in an empty buffer, and waits ``batch_s`` after each write so that lines arriving
+    meanwhile go out together. A ``queue.Queue`` here cost a lock and a thread wake-up per decision,
+    ~15 % of the sidecar's CPU on small requests at saturation (py-spy, issue #12). The wake-up is a
+    bare lock released by ``put`` (one C call), not a ``threading.Event``, whose ``set``/``wait``/
+    ``clear`` run a Condition's Python code on both threads at each wake-up (issue #27).
     """
 
-    def __init__(self, stream: IO[str], max_pending: int = 100_000, batch_s: float = 0.02) -> None:
+    def __init__(
+        self,
+        stream: IO[str],
+        max_pending: int = 100_000,
+        batch_s: float = 0.02,
+        render: Callable[[Any], bytes] | None = None,
+    ) -> None:
         self.stream = stream
         self.dropped = 0
         self._max_pending = max_pending
         self._batch_s = batch_s
-        self._lines: collections.deque[bytes] = collections.deque()
+        self._render = render
+        self._lines: collections.deque[Any] = collections.deque()
         # Locked: nothing to do. ``put`` into an empty buffer (or ``close``) releases it; the writer
         # takes it before each batch. A line is in the buffer only after a release the writer has
         # not yet taken, or while the writer drains: no wake-up is lost.
@@ -98,7 +106,9 @@ class LineWriter:
         self._thread = threading.Thread(target=self._run, name="decision-log", daemon=True)
         self._thread.start()
 
-    def put(self, line: bytes) -> None:
+    def put(self, line: Any) -> None:
+        """Queue a line: its bytes, or an item ``render`` turns into them on the writer's thread (it
+        must not change after this call)."""
         lines = self._lines
         if len(lines) >= self._max_pending:
             self.dropped += 1
@@ -113,11 +123,20 @@ class LineWriter:
 
     def _run(self) -> None:
         lines = self._lines
+        render = self._render
         while True:
             self._wake.acquire()
             batch: list[bytes] = []
             while lines:
-                batch.append(lines.popleft())
+                item = lines.popleft()
+                if type(item) is not bytes and render is not None:
+                    try:
+                        item = render(item)
+                    except Exception:  # a line that cannot be written must not stop the ones after it
+                        self.dropped += 1
+                        log.exception("decision log: a line could not be rendered (dropped, counted)")
+                        continue
+                batch.append(item)
             if batch:
                 try:
                     self.stream.write(b"\n".join(batch).decode() + "\n")
@@ -221,15 +240,14 @@ class Telemetry:
             ["signal", "series"],
             registry=registry,
         )
-        self._writer = LineWriter(decision_log) if decision_log is not None else None
+        self._writer = LineWriter(decision_log, render=render_decision) if decision_log is not None else None
         # The largest projection of a request the gate admitted since start: the live view sets the
         # headroom against it (would the lane's biggest request fit now?). 0 until the first admit.
         self.largest_admitted_bytes = 0
         registry.register(_LargestAdmitted(self))
-        self.context: Callable[[], dict[str, Any]] = dict
-        # The same context as the JSON members a decision line ends with, in pieces (``spliced``), or
-        # None for the dict's way: the shell serializes what changes only with a snapshot once (#27).
-        self.context_json: Callable[[], tuple[bytes, ...] | None] = lambda: None
+        # The lane's state at a decision for its line (``LogCapture``: the shell's, read per decision,
+        # serialized later); None: no context members.
+        self.capture: Callable[[], LogCapture | None] = lambda: None
 
     def decision(self, d: Decision, cost: Demand, waited_s: float, ledger: LedgerTotals) -> None:
         action = d.action
@@ -267,18 +285,17 @@ class Telemetry:
         else:
             self._rejects[d.reason or Reason.UNFIT_REQUEST].n += 1
             self._hold.observe(waited_s)
-        # The record is built only when something writes it.
+        # The record is built only when something writes it. To a decision-log file: what it is built
+        # from is taken now (the values are frozen; the clock, the lane's state in ``capture``) and the
+        # line is built on the writer's thread (``render_decision``), a batch at a time. Built here, on
+        # the request's path, it cost ~19 µs of a gated request's ~177 (2 cores, in-process), ~4x what
+        # the same code costs back to back; built in batches, the process spends 7-12 µs less per gated
+        # request (bench/results/2026-12-07-issue27-deferred-line.md).
         if self._writer is not None:
-            members = self.context_json()
-            line = (
-                None if members is None else spliced(decision_record(d, cost, waited_s, ledger, {}), members)
-            )
-            if line is None:
-                line = _line(decision_record(d, cost, waited_s, ledger, self.context())).encode()
-            self._writer.put(line)
+            self._writer.put((d, cost, waited_s, ledger, wall_ts(), self.capture()))
         elif log.isEnabledFor(logging.INFO):
             # Through the process's log pipeline (sidecar.ops.logs): its format, its bounded queue.
-            fields = decision_record(d, cost, waited_s, ledger, self.context())
+            fields = decision_record(d, cost, waited_s, ledger, context_dict(self.capture()))
             log.info("decision %s", action._value_, extra={"fields": fields})
 
     def implausible(self, signal: str, series: str) -> None:
@@ -466,6 +483,61 @@ def spliced(fields: dict[str, Any], members: tuple[bytes, ...]) -> bytes | None:
     if not members:
         return head
     return b"".join((memoryview(head)[:-1], b",", *members, b"}"))
+
+
+# What a decision line's context is written from, taken at the decision: the shell's per-snapshot
+# parts (``SnapshotContext``: the snapshot, policy and mode they were taken from, then the head, engine
+# and GPU dicts without ages, then their JSON fragments, ``context_fragments``, None where orjson
+# refused them), the held count, and the engine's and the GPU's ages in seconds (None: not read).
+SnapshotContext = tuple[Any, Any, bool, dict[str, Any], dict[str, Any] | None, dict[str, Any] | None, Any]
+LogCapture = tuple[SnapshotContext, int, float | None, float | None]
+
+
+def context_dict(c: LogCapture | None) -> dict[str, Any]:
+    """The decision's context as a dict (the log pipeline's record, and a record orjson refuses): the
+    head, the held count, the engine and the GPU with their ages; an age below 0 (a reading stamped
+    after the decision) is 0.0, as ``max(0.0, age)`` gave. One dict display per part."""
+    if c is None:
+        return {}
+    (_, _, _, head, engine, gpu, _), held, e_age, g_age = c
+    if e_age is not None:
+        engine = {**engine, "age_s": round_ms(e_age) if e_age > 0.0 else 0.0}
+    if g_age is not None:
+        gpu = {**gpu, "age_s": round_ms(g_age) if g_age > 0.0 else 0.0}
+    return {**head, "held": held, "engine": engine, "gpu": gpu}
+
+
+def context_members(c: LogCapture | None) -> tuple[bytes, ...] | None:
+    """``context_dict`` as the JSON members a decision line ends with, in pieces (``spliced``): the
+    snapshot's fragments with the held count and the ages between them. None: the dict's way (orjson
+    refused a part of the snapshot's)."""
+    if c is None:
+        return ()
+    (_, _, _, _, _, _, parts), held, e_age, g_age = c
+    if parts is None:
+        return None
+    return (
+        parts[0],
+        b"%d" % held,
+        parts[1],
+        b"" if e_age is None else orjson.dumps(round_ms(e_age) if e_age > 0.0 else 0.0),
+        parts[2],
+        b"" if g_age is None else orjson.dumps(round_ms(g_age) if g_age > 0.0 else 0.0),
+        parts[3],
+    )
+
+
+def render_decision(item: tuple[Decision, Demand, float, LedgerTotals, float, LogCapture | None]) -> bytes:
+    """A decision line from what ``Telemetry.decision`` took at the decision (on the writer's thread:
+    everything in it is frozen or taken by value). The record's JSON with the context's members
+    spliced in, or, where orjson refuses a part, the merged dict through ``_line``: the same bytes."""
+    d, cost, waited_s, ledger, ts, capture = item
+    fields = decision_record(d, cost, waited_s, ledger, {}, ts)
+    members = context_members(capture)
+    line = None if members is None else spliced(fields, members)
+    if line is None:
+        line = _line({**fields, **context_dict(capture)}).encode()
+    return line
 
 
 def context_fragments(
