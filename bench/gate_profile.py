@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import host_speed  # noqa: E402  (bench/ is not a package: imported from beside this file)
+
 SMALL_BODY = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode()
 # ``sse``: a gated streaming request of 100 events (overhead.py's ``sse`` shape), to set its per-request
 # cost beside the small request's: the difference is what a stream adds apart from relaying its events.
@@ -343,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         _wait_up(upstream + "/health")
         kinds = KINDS if args.sse else ("gated", "pass")
         cpu: dict[tuple[str, str], list[float]] = {(t, k): [] for t in trees for k in kinds}
+        speed = host_speed.Readings()
         for r in range(args.rounds):
+            speed.take(f"round {r + 1}")
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             for tree in order:
                 for kind in kinds:
@@ -386,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gate work {mine}/{theirs}: {work[mine] / work[theirs]:.3f}",
         ]
     lines += ["", "raw: " + json.dumps({f"{t}/{k}": [round(x) for x in v] for (t, k), v in cpu.items()})]
+    lines += ["", speed.line()]
     if phased:
         lines += _phase_table(phased)
     report = "\n".join(lines)

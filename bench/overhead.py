@@ -61,6 +61,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import debtools  # bench/ is not a package: imported from beside this file
+import host_speed
 
 ROOT = Path(__file__).resolve().parents[1]
 # The in-process decision microbenchmark imports the sidecar: from this checkout, installed or not
@@ -364,7 +365,13 @@ def wrk(args: argparse.Namespace, cores: Cores, url: str, script: Path, seconds:
     return json.loads(line.removeprefix("WRKJSON "))
 
 
-def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], tmp: Path) -> list[dict]:
+def saturation(
+    args: argparse.Namespace,
+    cores: Cores,
+    srv: dict[str, Server],
+    tmp: Path,
+    speed: host_speed.Readings | None = None,
+) -> list[dict]:
     """Every shape through every server, ``args.rounds`` times, the servers taking turns in each round.
 
     A shared host's neighbours come and go within seconds: one short window per server can land one
@@ -376,7 +383,8 @@ def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], t
     The rounds share one process per server: they do not sample the spread between processes, which
     was ~20 % for the sidecar's gated request on a quiet lent host (a process's CPU per request at
     saturation is 1 / its throughput, and that moves with how requests batch per loop turn;
-    bench/results/2026-12-07-issue27-lent-quiet.md). Compare trees over several runs.
+    bench/results/2026-12-07-issue27-lent-quiet.md). Compare trees over several runs. ``speed``: the
+    host's speed is read at the start of each round (``bench/host_speed.py``).
     """
     shapes = {
         "small": ("/generate", "POST", SMALL_BODY, 1),
@@ -386,6 +394,8 @@ def saturation(args: argparse.Namespace, cores: Cores, srv: dict[str, Server], t
     }
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rnd in range(args.rounds):
+        if speed is not None:
+            speed.take(f"round {rnd + 1}")
         for kind, (path, method, body, events) in shapes.items():
             script = lua_script(tmp, kind, method, body)
             for name, s in srv.items():
@@ -832,6 +842,8 @@ def main(argv: list[str] | None = None) -> int:
     phases = args.only or ["saturation", "paced", "large"]
     cores = Cores.plan()
     started = time.monotonic()
+    speed = host_speed.Readings()
+    speed.take("start")
     rows: list[dict] = []
     lags: dict[str, dict] = {}
     floor_lags: dict[str, dict] = {}  # the own floor's loop probe, paced phase only
@@ -850,11 +862,12 @@ def main(argv: list[str] | None = None) -> int:
         idle_probed = 1000 * (cpu_seconds(srv["sidecar"].pid) - probed0) / args.seconds
         proxies = {k: v for k, v in srv.items() if not k.startswith("floor")}  # the floors: saturation only
         for phase in phases:
-            rows += {"saturation": lambda: saturation(args, cores, srv, Path(t)),
+            rows += {"saturation": lambda: saturation(args, cores, srv, Path(t), speed),
                      "paced": lambda: paced_with_floor_lag(args, cores, srv, floor_lags),
                      "large": lambda: large(args, cores, proxies)}[phase]()  # fmt: skip
             lags[phase] = lag(srv)
         versions = {"nginx": srv["nginx"].extra["version"], "gpu_source": srv["sidecar"].extra["gpu_source"]}
+    speed.take("end")
     for r in rows:
         if r["path"] == "sidecar":
             r["loop_lag_max_ms"] = lags.get(r["load"], {}).get("max_ms")
@@ -878,6 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     held = [] if args.no_hold_queue else hold_queue_figures(args)
     goals = issue27(rows, lags, idle, micro, held, floor_lags)
     print_issue27(goals)
+    print("\n" + speed.line())
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": MACHINE,
@@ -886,6 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
         "versions": {**versions, "python": platform.python_version()},
         "wall_s": round(time.monotonic() - started, 1),
+        "host_speed": speed.as_json(),
         "rows": rows,
         "loop_lag": lags,
         "floor_loop_lag": floor_lags,

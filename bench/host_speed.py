@@ -1,0 +1,74 @@
+"""How fast the host runs a fixed piece of Python now: to tell a slow host from a slow tree.
+
+A lent host is a virtual machine on a shared box. Its load average says nothing of its neighbours, yet
+on 2026-12-07 one such host ran everything 1.3-1.7x dearer than the quiet host of the day before, and
+another slowed twofold within one run (``bench/results/2026-12-07-issue27-deferred-line.md``). A CPU
+figure from a stretch the host ran slowly is not comparable with one from a stretch it did not. The
+benchmarks time the same work (a generator sum, ~0.13 s of one core on that host when quiet) at the
+start, between rounds and at the end, and print the readings' spread beside their tables.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# The workload: pure-Python integer arithmetic and a generator, no allocation that grows, no I/O.
+PROBE_N = 3_000_000
+# A spread (slowest / fastest reading) past this, and the readings are reported as a host that
+# changed speed during the run: its figures are then comparable only within one stretch.
+STEADY_SPREAD = 1.2
+
+
+def probe() -> float:
+    """CPU seconds (this process) of the fixed workload; the least of two tries (a preemption or a page
+    fault only adds)."""
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.process_time()
+        sum(i * i for i in range(PROBE_N))
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+class Readings:
+    """The probe's readings over a run, by label (``start``, ``round 1``, ``end``...)."""
+
+    def __init__(self) -> None:
+        self.readings: list[tuple[str, float]] = []
+
+    def take(self, label: str) -> float:
+        s = probe()
+        self.readings.append((label, s))
+        return s
+
+    def as_json(self) -> dict[str, Any]:
+        return {"seconds": dict(self.readings), "spread": spread(self.readings)}
+
+    def line(self) -> str:
+        return summary(self.readings)
+
+
+def spread(readings: list[tuple[str, float]]) -> float | None:
+    """Slowest / fastest reading (None with fewer than two, or a zero)."""
+    values = [s for _, s in readings]
+    if len(values) < 2 or min(values) <= 0:
+        return None
+    return max(values) / min(values)
+
+
+def summary(readings: list[tuple[str, float]]) -> str:
+    """One line: every reading, the spread, and what it means for the figures beside it."""
+    if not readings:
+        return "host speed probe: not taken"
+    each = ", ".join(f"{label} {s:.3f}" for label, s in readings)
+    head = f"host speed probe (CPU s of a fixed Python loop): {each}"
+    sp = spread(readings)
+    if sp is None:
+        return head
+    if sp > STEADY_SPREAD:
+        return (
+            f"{head}; spread {sp:.2f}x: THE HOST CHANGED SPEED during the run, so its figures are "
+            "comparable only within one stretch: run again for a table to judge goals by"
+        )
+    return f"{head}; spread {sp:.2f}x: steady"

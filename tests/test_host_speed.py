@@ -1,0 +1,44 @@
+"""bench/host_speed.py: the benchmarks' reading of how fast the host runs a fixed loop, so that a table
+taken while a shared host slowed down says so beside its figures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+import host_speed  # noqa: E402
+
+
+def test_a_host_that_slowed_during_the_run_is_named_in_the_line() -> None:
+    # The lent host of 2026-12-07 09:53 UTC: 0.127 s at the start, 0.271 s at the end.
+    readings = [("start", 0.127), ("round 1", 0.130), ("end", 0.271)]
+    line = host_speed.summary(readings)
+    assert "start 0.127, round 1 0.130, end 0.271" in line
+    assert "spread 2.13x" in line and "THE HOST CHANGED SPEED" in line
+
+
+def test_a_steady_host_is_said_steady_up_to_the_bound() -> None:
+    at_bound = [("start", 0.100), ("end", 0.100 * host_speed.STEADY_SPREAD)]
+    assert host_speed.summary(at_bound).endswith("steady")
+    past = [("start", 0.100), ("end", 0.100 * host_speed.STEADY_SPREAD + 0.001)]
+    assert "CHANGED SPEED" in host_speed.summary(past)
+
+
+def test_one_reading_has_no_spread_and_none_says_so() -> None:
+    assert host_speed.spread([("start", 0.1)]) is None
+    assert host_speed.spread([("start", 0.0), ("end", 0.1)]) is None
+    assert host_speed.summary([("start", 0.1)]).endswith("start 0.100")
+    assert host_speed.summary([]) == "host speed probe: not taken"
+
+
+def test_readings_are_taken_and_kept_for_the_json(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(host_speed, "PROBE_N", 1000)  # the real workload, smaller
+    r = host_speed.Readings()
+    first = r.take("start")
+    r.take("end")
+    assert first > 0
+    doc = r.as_json()
+    assert list(doc["seconds"]) == ["start", "end"] and doc["spread"] >= 1.0
+    assert r.line().startswith("host speed probe (CPU s of a fixed Python loop): start ")
