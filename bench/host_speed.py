@@ -1,10 +1,11 @@
 """How fast the host runs a fixed piece of Python now: to tell a slow host from a slow tree.
 
 A lent host is a virtual machine on a shared box. Its load average says nothing of its neighbours, yet
-on 2026-12-07 one such host ran everything 1.3-1.7x dearer than the quiet host of the day before, and
-another slowed twofold within one run (``bench/results/2026-12-07-issue27-deferred-line.md``). A CPU
+on 2026-12-07 four such hosts ran everything 1.1-1.7x dearer than a quiet one had that morning, and
+one slowed twofold within one run (``bench/results/2026-12-07-issue27-deferred-line.md``). A CPU
 figure from a stretch the host ran slowly is not comparable with one from a stretch it did not. The
-benchmarks time the same work (a generator sum, ~0.13 s of one core on that host when quiet) at the
+benchmarks time the same work (a generator sum: 0.12-0.13 s of one core on those hosts and on the
+2-core development machine at their quickest) at the
 start, between rounds and at the end, and print the readings' spread beside their tables.
 """
 

@@ -149,12 +149,13 @@ def test_round_ms_is_round_to_three_places(x: float) -> None:
     assert orjson.dumps(round_ms(x)) == orjson.dumps(round(x, 3))
 
 
-def test_a_deferred_line_is_the_lane_at_its_decision(tmp_path: Path) -> None:
+def test_a_deferred_line_is_the_lane_at_its_decision(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A decision-log file's line is built on the writer's thread, later (``render_decision``), from
-    what ``Telemetry.decision`` took at the decision: a snapshot and a held count that changed before
-    the writer ran do not reach it. The line is the in-loop line of that instant."""
+    what ``Telemetry.decision`` took at the decision: a snapshot, a held count and a wall clock that
+    changed before the writer ran do not reach it. The line is the in-loop line of that instant."""
     import io
 
+    import sidecar.ops.telemetry
     from sidecar.ops.telemetry import Telemetry, render_decision
 
     app = _app(tmp_path)
@@ -171,12 +172,14 @@ def test_a_deferred_line_is_the_lane_at_its_decision(tmp_path: Path) -> None:
     assert telemetry._writer is not None
     taken: list[object] = []
     telemetry._writer.put = taken.append  # type: ignore[method-assign]  # what the writer would render
+    clock = iter([1796600000.125, 1796600009.5])  # the decision's instant, then any later reading
+    monkeypatch.setattr(sidecar.ops.telemetry, "wall_ts", lambda: next(clock))
     telemetry.decision(d, want, 0.5, a.ledger.totals)
     a.update_snapshot(snapshot(NOW - 0.01, free_bytes=None))  # a new snapshot, no GPU reading
     a._queue.live = 9  # type: ignore[misc]
     (item,) = taken
     line = render_decision(item)  # type: ignore[arg-type]
-    record["ts"] = orjson.loads(line)["ts"]
+    record["ts"] = 1796600000.125
     assert line == spliced(record, members)
     fields = orjson.loads(line)
     assert fields["held"] == 3 and fields["gpu"] is not None  # the new snapshot has no GPU reading

@@ -288,9 +288,10 @@ class Telemetry:
         # The record is built only when something writes it. To a decision-log file: what it is built
         # from is taken now (the values are frozen; the clock, the lane's state in ``capture``) and the
         # line is built on the writer's thread (``render_decision``), a batch at a time. Built here, on
-        # the request's path, it cost ~19 µs of a gated request's ~177 (2 cores, in-process), ~4x what
-        # the same code costs back to back; built in batches, the process spends 7-12 µs less per gated
-        # request (bench/results/2026-12-07-issue27-deferred-line.md).
+        # the request's path, it cost ~17 µs of a gated request's ~176 (2 cores, in-process), ~3x what
+        # the same calls cost back to back (their code and objects miss the caches between requests);
+        # built in batches, the process spends 4-7 µs less per gated request
+        # (bench/results/2026-12-07-issue27-deferred-line.md).
         if self._writer is not None:
             self._writer.put((d, cost, waited_s, ledger, wall_ts(), self.capture()))
         elif log.isEnabledFor(logging.INFO):
@@ -755,7 +756,8 @@ class StateCollector(Collector):
         yield fails
 
         dropped = CounterMetricFamily(
-            PREFIX + "decision_log_dropped", "Decision-log lines dropped because the writer fell behind"
+            PREFIX + "decision_log_dropped",
+            "Decision-log lines dropped because the writer fell behind (or a line could not be written)",
         )
         dropped.add_metric([], float(self.dropped_log_lines()))
         yield dropped
