@@ -8,7 +8,8 @@ in both and cancels out of the difference, which is the gate's work per request.
 
 Two trees are compared in one run (``--base DIR``: another checkout, e.g. ``git archive`` of main),
 each request kind measured in a fresh child per round, trees interleaved, medians reported; then one
-``cProfile`` of the gated path per tree, whose top entries go to the report.
+``cProfile`` of the gated path per tree, whose top entries go to the report. Each round first times a
+fixed Python loop (``bench/host_speed.py``); the report says whether the host kept its speed.
 
     PYTHONPATH=$PWD python bench/gate_profile.py --base /tmp/base --out bench/results/gate-profile-2core.md
 """

@@ -36,7 +36,9 @@ Prints a table, the targets of issue #12 and issue #27's figures, each also besi
 the sidecar's own floor (where the floor alone misses a goal, the goal is beyond this stack), and writes
 ``bench/results/overhead.json`` (``--json``). The loop probe (``bench/lag_probe.py``) reports the
 wall-clock lag and the loop thread's own CPU per tick (``busy_*``: the stall's work, apart from the
-scheduler's share, which dominates on a shared machine).
+scheduler's share, which dominates on a shared machine). Under the tables, ``bench/host_speed.py``'s
+line: a fixed Python loop timed at the start, every round and the end; where its spread passes 1.2x the
+host changed speed during the run (a lent host's neighbours), and the run is not one to judge by.
 """
 
 from __future__ import annotations
