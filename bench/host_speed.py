@@ -1,7 +1,7 @@
 """How fast the host runs a fixed piece of Python now: to tell a slow host from a slow tree.
 
 A lent host is a virtual machine on a shared box. Its load average says nothing of its neighbours, yet
-on 2026-12-07 four such hosts ran everything 1.1-1.7x dearer than a quiet one had that morning, and
+on 2026-12-07 four such hosts ran everything 1.1-1.9x dearer than a quiet one had that morning, and
 one slowed twofold within one run (``bench/results/2026-12-07-issue27-deferred-line.md``). A CPU
 figure from a stretch the host ran slowly is not comparable with one from a stretch it did not. The
 benchmarks time the same work (a generator sum: 0.12-0.13 s of one core on those hosts and on the
