@@ -393,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
     lines += ["", "raw: " + json.dumps({f"{t}/{k}": [round(x) for x in v] for (t, k), v in cpu.items()})]
     lines += ["", speed.line()]
+    warning = speed.warning()
+    if warning is not None:  # before any figure, where a reader starts
+        lines = [warning, "", *lines]
     if phased:
         lines += _phase_table(phased)
     report = "\n".join(lines)

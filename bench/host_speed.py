@@ -49,6 +49,9 @@ class Readings:
     def line(self) -> str:
         return summary(self.readings)
 
+    def warning(self) -> str | None:
+        return warning(self.readings)
+
 
 def spread(readings: list[tuple[str, float]]) -> float | None:
     """Slowest / fastest reading (None with fewer than two, or a zero)."""
@@ -56,6 +59,18 @@ def spread(readings: list[tuple[str, float]]) -> float | None:
     if len(values) < 2 or min(values) <= 0:
         return None
     return max(values) / min(values)
+
+
+def warning(readings: list[tuple[str, float]]) -> str | None:
+    """One line for the top of a table of goals when the host changed speed (else None): its verdicts
+    then come from stretches the host ran at different speeds."""
+    sp = spread(readings)
+    if sp is None or sp <= STEADY_SPREAD:
+        return None
+    return (
+        f"! the host changed speed during this run (a fixed loop's spread {sp:.2f}x, bench/host_speed.py): "
+        "judge no goal by this table"
+    )
 
 
 def summary(readings: list[tuple[str, float]]) -> str:

@@ -892,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     servers_table(rows)
     held = [] if args.no_hold_queue else hold_queue_figures(args)
     goals = issue27(rows, lags, idle, micro, held, floor_lags)
-    print_issue27(goals)
+    print_issue27(goals, speed.warning())
     print("\n" + speed.line())
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -1204,8 +1204,12 @@ def hold_queue_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def print_issue27(goals: list[dict[str, Any]]) -> None:
+def print_issue27(goals: list[dict[str, Any]], warning: str | None = None) -> None:
+    """Issue #27's figures with their goals, then beside the floor's. ``warning``: a line put under the
+    heading (``host_speed.warning``: the host changed speed during the run)."""
     print("\nissue #27 (every figure with its goal; 'was' = when the issue was filed, H100 host --quick)")
+    if warning:
+        print("  " + warning)
     for t in goals:
         state = {True: "met", False: "NOT MET", None: "-"}[t["met"]]
         limit = "" if t["limit"] is None else f"goal <= {t['limit']:g}"

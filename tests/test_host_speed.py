@@ -42,3 +42,24 @@ def test_readings_are_taken_and_kept_for_the_json(monkeypatch) -> None:  # type:
     doc = r.as_json()
     assert list(doc["seconds"]) == ["start", "end"] and doc["spread"] >= 1.0
     assert r.line().startswith("host speed probe (CPU s of a fixed Python loop): start ")
+
+
+def test_the_goals_table_opens_with_the_warning_only_when_the_host_changed_speed(capsys) -> None:  # type: ignore[no-untyped-def]
+    """A reader of issue 27's table sees under its heading, before any verdict, that the host changed
+    speed (bench/overhead.py prints ``host_speed.warning`` there); a steady host adds no line."""
+    import overhead
+
+    goal = {"figure": "gate work per request", "value": 96.6, "unit": "us", "limit": 60, "met": False,
+            "note": "", "floor": None}  # fmt: skip
+    unsteady = [("start", 0.135), ("end", 0.261)]
+    assert host_speed.warning([("start", 0.13), ("end", 0.14)]) is None
+    assert host_speed.warning([("start", 0.13)]) is None
+    overhead.print_issue27([goal], host_speed.warning(unsteady))
+    lines = capsys.readouterr().out.splitlines()
+    heading = next(i for i, ln in enumerate(lines) if ln.startswith("issue #27"))
+    assert "host changed speed" in lines[heading + 1] and "1.93x" in lines[heading + 1]
+    assert "NOT MET" in lines[heading + 2]
+    overhead.print_issue27([goal], host_speed.warning([("start", 0.13), ("end", 0.14)]))
+    lines = capsys.readouterr().out.splitlines()
+    heading = next(i for i, ln in enumerate(lines) if ln.startswith("issue #27"))
+    assert "NOT MET" in lines[heading + 1]
