@@ -46,6 +46,7 @@ SSE_BODY = json.dumps(
     {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": SSE_EVENTS}}
 ).encode()
 KINDS = ("gated", "pass", "sse")
+BODIES = {"gated": SMALL_BODY, "sse": SSE_BODY, "pass": b""}
 
 
 def _free_port() -> int:
@@ -54,18 +55,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-BODIES = {"gated": SMALL_BODY, "sse": SSE_BODY, "pass": b""}
-
-
-def _body(kind: str) -> bytes:
-    return BODIES[kind]
-
-
 def _scope(kind: str) -> dict[str, Any]:
     gated = kind != "pass"
     hdrs = [(b"host", b"127.0.0.1:8000")]
     if gated:
-        hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(_body(kind))).encode())]
+        hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(BODIES[kind])).encode())]
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -90,7 +84,7 @@ async def _one(app: Any, kind: str) -> int:
     async def receive() -> dict[str, Any]:
         if not sent_body[0]:
             sent_body[0] = True
-            return {"type": "http.request", "body": _body(kind), "more_body": False}
+            return {"type": "http.request", "body": BODIES[kind], "more_body": False}
         await asyncio.Event().wait()  # no disconnect: the request ends first
         raise AssertionError
 
@@ -277,6 +271,23 @@ def _run_child(
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def start_upstream() -> tuple[subprocess.Popen[bytes], str]:
+    """``bench/upstream.py`` under uvicorn on a free port, up and answering: the process and its URL."""
+    port = _free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "bench.upstream:app", "--port", str(port), "--log-level", "warning",
+         "--no-access-log"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(url + "/health")
+    except BaseException:
+        up.terminate()
+        raise
+    return up, url
+
+
 def _wait_up(url: str) -> None:
     deadline = time.monotonic() + 30
     while True:
@@ -336,15 +347,8 @@ def main(argv: list[str] | None = None) -> int:
 
     mine, theirs = args.labels.split(",")
     trees = {mine: str(ROOT)} | ({theirs: args.base} if args.base else {})
-    port = _free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "bench.upstream:app", "--port", str(port), "--log-level", "warning",
-         "--no-access-log"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    upstream = f"http://127.0.0.1:{port}"
+    up, upstream = start_upstream()
     try:
-        _wait_up(upstream + "/health")
         kinds = KINDS if args.sse else ("gated", "pass")
         cpu: dict[tuple[str, str], list[float]] = {(t, k): [] for t in trees for k in kinds}
         speed = host_speed.Readings()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import sys
 from pathlib import Path
+from typing import Any
 
 import sidecar.cli
 
@@ -36,9 +37,10 @@ def _turns_from_env() -> None:
 
 
 def _log_sink_from_env() -> None:
-    """``BENCH_LOG_SINK=1`` (experiments only): the decision log's lines are built as usual and handed
-    to a writer that keeps the last few and writes nothing (no thread, no syscall): with ``--decision-log``
-    on, the difference from a normal run is what the writer thread costs, apart from building the lines."""
+    """``BENCH_LOG_SINK=1`` (experiments only): the decision log's lines are built as usual (the
+    writer's ``render``, here on the loop's thread as each is put) and kept, the last few, by a writer
+    that writes nothing (no thread, no syscall): with ``--decision-log`` on, the difference from a normal
+    run is what the writer thread costs, apart from building the lines."""
     import collections
     import os
 
@@ -48,12 +50,14 @@ def _log_sink_from_env() -> None:
         class Sink:
             dropped = 0
 
-            def __init__(self, stream: object, *a: object, **k: object) -> None:
+            def __init__(self, stream: object, *a: object, render: Any = None, **k: object) -> None:
                 self.stream = stream
+                self._render = render
                 self._lines: collections.deque[bytes] = collections.deque(maxlen=64)
 
-            def put(self, line: bytes) -> None:
-                self._lines.append(line)
+            def put(self, line: Any) -> None:
+                render = self._render
+                self._lines.append(line if render is None or type(line) is bytes else render(line))
 
             def close(self, timeout_s: float = 5.0) -> None:
                 pass

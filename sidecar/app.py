@@ -43,9 +43,7 @@ from sidecar.ops.telemetry import (
     SnapshotContext,
     StateCollector,
     Telemetry,
-    context_dict,
     context_fragments,
-    context_members,
     register_process_metrics,
 )
 from sidecar.policy.engine_routes import RouteTable, control_route, normalize_path
@@ -455,15 +453,6 @@ class SidecarApp:
             None if g is None else now - g.observed_at,
         )
 
-    def _log_context(self) -> dict[str, Any]:
-        """:meth:`_log_capture` as the dict a decision line's context is (``telemetry.context_dict``)."""
-        return context_dict(self._log_capture())
-
-    def _log_context_json(self) -> tuple[bytes, ...] | None:
-        """:meth:`_log_capture` as the JSON members a decision line ends with, in pieces
-        (``telemetry.context_members``); None: the dict's way (orjson refused a part)."""
-        return context_members(self._log_capture())
-
     def _snapshot_parts(self, a: Admission, snap: Snapshot) -> SnapshotContext:
         """The context's parts that change only with a snapshot or the policy, kept (with what they
         were taken from) until either changes: one cache for both ways, the dicts and their JSON
@@ -643,7 +632,7 @@ def _snapshot_context(
     a: Admission, snap: Snapshot
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """The decision log's context fields that change only with a snapshot or a policy: the head
-    (policy, mode), the engine's and the GPU's fields without their ages (``_log_context`` adds them),
+    (policy, mode), the engine's and the GPU's fields without their ages (``telemetry.context_dict`` adds them),
     None for a signal not read."""
     e, g = snap.engine, snap.gpu
     head = {"policy": a.policy.name, "mode": "shadow" if a.shadow else "enforce"}

@@ -1,4 +1,4 @@
-"""The decision line's context written from JSON fragments kept per snapshot (``SidecarApp._log_context_json``,
+"""The decision line's context written from JSON fragments kept per snapshot (``telemetry.context_members``,
 ``telemetry.spliced``): the same bytes as one ``orjson.dumps`` of the record merged with the context's
 dict, whatever the snapshot holds (no engine report, no GPU reading, NaN usage, ages below zero). A
 decision-log file's line is built later, on the writer's thread, from what the decision took by value
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from sidecar.app import SidecarApp
 from sidecar.core import demand
-from sidecar.ops.telemetry import _line, decision_record, spliced
+from sidecar.ops.telemetry import _line, context_dict, context_members, decision_record, spliced
 from sidecar.signals.gpu import parse_gpu_source
 from tests.conftest import small_policy, snapshot
 
@@ -57,8 +57,8 @@ def test_the_spliced_line_is_the_merged_record(tmp_path: Path, snap, shadow: boo
     for held in (0, 7):
         a._queue.live = held  # type: ignore[misc]  # the held count the context reports
         record = decision_record(d, want, 0.01234, a.ledger.totals, {})
-        merged = decision_record(d, want, 0.01234, a.ledger.totals, app._log_context())
-        members = app._log_context_json()
+        merged = decision_record(d, want, 0.01234, a.ledger.totals, context_dict(app._log_capture()))
+        members = context_members(app._log_capture())
         assert members is not None
         line = spliced(record, members)
         record["ts"] = merged["ts"]  # the same instant in both
@@ -165,7 +165,7 @@ def test_a_deferred_line_is_the_lane_at_its_decision(tmp_path: Path, monkeypatch
     want = demand.build(a.rules, 100, arrived_at=NOW, request_id="r-1")
     d = a.evaluate(want)
     record = decision_record(d, want, 0.5, a.ledger.totals, {})
-    members = app._log_context_json()
+    members = context_members(app._log_capture())
     assert members is not None
     telemetry = Telemetry(type(app.registry)(), io.StringIO())
     telemetry.capture = app._log_capture
@@ -197,7 +197,7 @@ def test_a_deferred_line_orjson_refuses_is_the_merged_dicts(tmp_path: Path) -> N
     want = replace(demand.build(a.rules, 100, arrived_at=NOW, request_id="r-2"), projected_bytes=1 << 70)
     d = Decision(Action.ADMIT, None, None, 5, ())
     line = render_decision((d, want, 0.0, a.ledger.totals, 1796600000.125, app._log_capture()))
-    merged = decision_record(d, want, 0.0, a.ledger.totals, app._log_context(), 1796600000.125)
+    merged = decision_record(d, want, 0.0, a.ledger.totals, context_dict(app._log_capture()), 1796600000.125)
     assert line == _line(merged).encode()
     assert b'"projected_bytes":%d' % (1 << 70) in line and b'"gpu":{' in line
 

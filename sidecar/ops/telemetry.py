@@ -544,7 +544,7 @@ def render_decision(item: tuple[Decision, Demand, float, LedgerTotals, float, Lo
 def context_fragments(
     head: dict[str, Any], engine: dict[str, Any] | None, gpu: dict[str, Any] | None
 ) -> tuple[bytes, bytes, bytes, bytes] | None:
-    """The decision log's context parts that change only with a snapshot (the shell's ``_log_context``
+    """The decision log's context parts that change only with a snapshot (the shell's ``_snapshot_context``
     head, engine and GPU fields; None for a signal not read) as JSON, once per snapshot. A decision's
     members are then ``(head, held, engine, engine age, gpu, gpu age, end)``: the head's members up to
     the held count's key, the engine's object left open for its ``age_s`` (last), the GPU's likewise

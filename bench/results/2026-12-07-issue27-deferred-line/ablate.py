@@ -77,16 +77,9 @@ def main() -> int:
         return 0
     import gate_profile
 
-    port = gate_profile._free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "bench.upstream:app", "--port", str(port), "--log-level", "warning",
-         "--no-access-log"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    up, url = gate_profile.start_upstream()
     got: dict[str, list[float]] = {v: [] for v in VARIANTS}
     try:
-        gate_profile._wait_up(url + "/health")
         for _ in range(args.rounds):
             for v in VARIANTS:
                 out = subprocess.run(
