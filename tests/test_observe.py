@@ -194,6 +194,23 @@ def test_the_decision_log_writer_keeps_every_line_in_order_and_drops_past_its_bo
     assert bounded.dropped >= 100 - 10 - 1  # at most one line was already taken by the writer
     assert len(stuck.getvalue().splitlines()) == 100 - bounded.dropped
 
+    class Broken(Stuck):
+        def write(self, s: str) -> int:
+            self.release.wait(10)
+            raise OSError("disk full")
+
+    # Both threads drop: the loop's ``put`` while the buffer is full, the writer every line it could not
+    # write. Each line is written or counted, once: here none is written, so all 100 are counted.
+    broken = Broken()
+    failing = LineWriter(broken, max_pending=10)
+    for i in range(100):
+        failing.put(str(i).encode())
+    full = failing.dropped
+    assert 100 - 10 - 1 <= full < 100
+    broken.release.set()
+    failing.close()
+    assert failing.dropped == 100 and broken.getvalue() == ""
+
 
 async def test_no_decision_record_is_built_when_nothing_writes_it(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """No decision-log file and the `sidecar.decision` logger above INFO: the per-decision record (a

@@ -92,7 +92,11 @@ class LineWriter:
         render: Callable[[Any], bytes] | None = None,
     ) -> None:
         self.stream = stream
-        self.dropped = 0
+        # Dropped lines, one counter per thread that drops (``put``'s caller when the buffer is full,
+        # the writer when a line cannot be rendered or written): each is written by its thread alone,
+        # so no count is lost (one ``+=`` from both threads could lose one); ``dropped`` sums them.
+        self._dropped_full = 0
+        self._dropped_writer = 0
         self._max_pending = max_pending
         self._batch_s = batch_s
         self._render = render
@@ -108,10 +112,11 @@ class LineWriter:
 
     def put(self, line: Any) -> None:
         """Queue a line: its bytes, or an item ``render`` turns into them on the writer's thread (it
-        must not change after this call)."""
+        must not change after this call). The sidecar calls it on the event loop's thread alone; a
+        line dropped here is counted by that thread (``_dropped_full``)."""
         lines = self._lines
         if len(lines) >= self._max_pending:
-            self.dropped += 1
+            self._dropped_full += 1
             return
         was_empty = not lines
         lines.append(line)
@@ -120,6 +125,11 @@ class LineWriter:
                 self._wake.release()
             except RuntimeError:  # already released (two puts into an empty buffer): the writer is due
                 pass
+
+    @property
+    def dropped(self) -> int:
+        """Lines dropped so far: the buffer full, or a line that could not be rendered or written."""
+        return self._dropped_full + self._dropped_writer
 
     def _run(self) -> None:
         lines = self._lines
@@ -133,7 +143,7 @@ class LineWriter:
                     try:
                         item = render(item)
                     except Exception:  # a line that cannot be written must not stop the ones after it
-                        self.dropped += 1
+                        self._dropped_writer += 1
                         log.exception("decision log: a line could not be rendered (dropped, counted)")
                         continue
                 batch.append(item)
@@ -142,7 +152,7 @@ class LineWriter:
                     self.stream.write(b"\n".join(batch).decode() + "\n")
                     self.stream.flush()
                 except (OSError, ValueError):
-                    self.dropped += len(batch)
+                    self._dropped_writer += len(batch)
             if self._closing and not lines:
                 return
             time.sleep(self._batch_s)
