@@ -206,7 +206,7 @@ def test_the_decision_log_writer_keeps_every_line_in_order_and_drops_past_its_bo
     for i in range(100):
         failing.put(str(i).encode())
     full = failing.dropped
-    assert 100 - 10 - 1 <= full < 100
+    assert 100 - 2 * 10 <= full < 100  # the writer holds what it took (at most a full buffer), the rest waits
     broken.release.set()
     failing.close()
     assert failing.dropped == 100 and broken.getvalue() == ""
