@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import io
 import json
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,16 @@ async def _one(app: Any, kind: str) -> int:
 
 
 async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, Any]:
+    # GATE_NO_DECISION_LOG=1: no decision log at all (what the log's record costs, by difference)
+    async with running_app(upstream, decision_log=not os.environ.get("GATE_NO_DECISION_LOG")) as app:
+        return await _measure_child(app, kind, n, profile)
+
+
+@contextlib.asynccontextmanager
+async def running_app(upstream: str, *, decision_log: bool = True) -> AsyncIterator[Any]:
+    """The sidecar's ASGI app as ``serve`` builds it for these benchmarks (the overhead benchmark's
+    policy, a GPU file with 100 GiB free, a decision log written to ``/dev/null`` unless
+    ``decision_log`` is False), its lifespan started and the engine read; shut down on exit."""
     from sidecar.app import SidecarApp
     from sidecar.ops.decision_file import DecisionFile
     from sidecar.policy.schema import load_policy_text
@@ -112,8 +124,7 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
         upstream=upstream,
         policy=load_policy_text(POLICY, "policy.yaml"),
         gpu_source=parse_gpu_source(f"file:{gpu_file}"),
-        # GATE_NO_DECISION_LOG=1: no decision log at all (what the log's record costs, by difference)
-        decision_log=None if os.environ.get("GATE_NO_DECISION_LOG") else DecisionFile(os.devnull, 0, 0),
+        decision_log=DecisionFile(os.devnull, 0, 0) if decision_log else None,
     )
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -123,6 +134,18 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
     deadline = time.monotonic() + 20
     while app.admission.snapshot.engine is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    assert app.admission.snapshot.engine is not None, "the engine was not read in 20 s"
+    try:
+        yield app
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await outbox.get()
+        await life
+
+
+async def _measure_child(app: Any, kind: str, n: int, profile: bool) -> dict[str, Any]:
+    """A child's N requests of ``kind`` on a running app (``running_app``): CPU per request, the
+    collector's passes, and the phases or the profile where asked."""
     phases = _time_phases() if os.environ.get("GATE_PHASES") else None
     for _ in range(300):  # warm: connections, caches
         assert await _one(app, kind) == 200
@@ -167,9 +190,6 @@ async def _child(upstream: str, kind: str, n: int, profile: bool) -> dict[str, A
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
         out["profile_cumulative"] = s.getvalue()
-    await inbox.put({"type": "lifespan.shutdown"})
-    await outbox.get()
-    await life
     return out
 
 
