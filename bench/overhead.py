@@ -76,6 +76,8 @@ SSE_EVENTS = 100
 # own work (the intercept). As long as the phase scales with the stream, the streams cut off when wrk
 # stops (CPU spent, no request counted) weigh the same in both shapes.
 SSE_LONG_EVENTS = 400
+# The saturation phase's shapes (``--shapes`` picks some).
+SHAPES = ("small", "small-passthrough", "sse", "sse-long")
 PACED_STREAMS = 64
 PACED_EVENTS_PER_S = 20
 LARGE_TOKENS = {"64k": 65_536, "128k": 131_072, "500k": 500_000}
@@ -394,6 +396,8 @@ def saturation(
         "sse": (f"/generate?events={SSE_EVENTS}", "POST", SSE_BODY, SSE_EVENTS),
         "sse-long": (f"/generate?events={SSE_LONG_EVENTS}", "POST", SSE_LONG_BODY, SSE_LONG_EVENTS),
     }
+    if args.shapes:
+        shapes = {k: v for k, v in shapes.items() if k in args.shapes}
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rnd in range(args.rounds):
         if speed is not None:
@@ -829,6 +833,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--servers", help="saturation through these only (comma-separated, e.g. sidecar,nginx; default all)"
     )
+    ap.add_argument(
+        "--shapes", help="saturation of these shapes only (comma-separated: small, small-passthrough, sse, "
+        "sse-long; default all)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be 1 or more, got {args.rounds}")
@@ -838,6 +846,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in args.servers if x not in names]
     if unknown:  # a misspelt name would measure nothing and print an empty table
         ap.error(f"--servers: no server named {', '.join(unknown)} (there are: {', '.join(names)})")
+    args.shapes = [x for x in (args.shapes or "").split(",") if x]
+    unknown = [x for x in args.shapes if x not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: no shape named {', '.join(unknown)} (there are: {', '.join(SHAPES)})")
     args.seconds = args.seconds or (2.0 if args.quick else 8.0)
     args.large_reps = args.large_reps or (3 if args.quick else 10)
     MACHINE = args.machine or f"{os.cpu_count()} cores, {cpu_model()}"

@@ -221,3 +221,56 @@ def test_a_line_that_cannot_be_rendered_is_dropped_counted_and_the_rest_written(
     writer.close()
     assert out.getvalue().splitlines() == ["1", "2"]
     assert writer.dropped == 1
+
+
+async def test_items_are_rendered_on_the_loop_after_its_turn_in_one_batch_in_order() -> None:
+    """On a running loop, ``put`` only queues an item: the turn's items are rendered together once the
+    turn is done, on the loop's thread (the values never cross to the writer's), and bytes put while
+    items wait keep their place. ``close`` renders what still waits; the bound counts what waits."""
+    import asyncio
+    import io
+    import threading
+
+    from sidecar.ops.telemetry import LineWriter
+    from tests.harness import eventually
+
+    rendered: list[tuple[object, int]] = []
+
+    def render(item: object) -> bytes:
+        rendered.append((item, threading.get_ident()))
+        return str(item).encode()
+
+    out = io.StringIO()
+    writer = LineWriter(out, batch_s=0.0, render=render)
+    writer.put(b"a")  # nothing waits: straight to the writer
+    for item in (1, 2):
+        writer.put(item)
+    writer.put(b"b")  # behind the items that wait
+    writer.put(3)
+    assert rendered == []  # not in the putting request's turn
+    await asyncio.sleep(0)  # the turn ends
+    assert [i for i, _ in rendered] == [1, 2, 3]
+    assert {t for _, t in rendered} == {threading.get_ident()}
+    await eventually(lambda: out.getvalue() == "a\n1\n2\nb\n3\n")
+    writer.put(4)
+    writer.close()  # renders 4 first
+    assert out.getvalue().splitlines() == ["a", "1", "2", "b", "3", "4"]
+    assert writer.dropped == 0
+
+    # A turn renders at most RENDER_PER_TURN lines; the rest go in the turns after, in order.
+    many = LineWriter(io.StringIO(), render=render)
+    rendered.clear()
+    for item in range(LineWriter.RENDER_PER_TURN * 2 + 5):
+        many.put(item)
+    await asyncio.sleep(0)
+    assert len(rendered) == LineWriter.RENDER_PER_TURN
+    await eventually(lambda: len(rendered) == LineWriter.RENDER_PER_TURN * 2 + 5)
+    many.close()
+    assert many.stream.getvalue().splitlines() == [str(i) for i in range(LineWriter.RENDER_PER_TURN * 2 + 5)]
+
+    bounded = LineWriter(io.StringIO(), max_pending=3, render=render)
+    for item in range(5):
+        bounded.put(item)
+    assert bounded.dropped == 2  # the three waiting to be rendered fill the bound
+    bounded.close()
+    assert bounded.stream.getvalue().splitlines() == ["0", "1", "2"]

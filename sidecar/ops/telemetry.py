@@ -8,6 +8,7 @@ an absent series, never a 0.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -74,15 +75,25 @@ class LineWriter:
     Bounded: if the writer falls ``max_pending`` lines behind, new lines are dropped and counted
     (``decision_log_dropped_total``) rather than growing memory or blocking requests.
 
-    Cheap per line: ``put`` is a deque append (atomic under the GIL), of a line's UTF-8 bytes or of
-    what ``render`` turns into them on the writer's thread (a decision's values, ``render_decision``:
-    the line is built there, off the request's path, a batch at a time). The writer is woken only when
-    an item lands in an empty buffer, and waits ``batch_s`` after each write so that lines arriving
-    meanwhile go out together. A ``queue.Queue`` here cost a lock and a thread wake-up per decision,
-    ~15 % of the sidecar's CPU on small requests at saturation (py-spy, issue #12). The wake-up is a
-    bare lock released by ``put`` (one C call), not a ``threading.Event``, whose ``set``/``wait``/
-    ``clear`` run a Condition's Python code on both threads at each wake-up (issue #27).
+    Cheap per line: ``put`` takes a line's UTF-8 bytes, or an item that ``render`` turns into them (a
+    decision's values, ``render_decision``). Items are rendered on the thread that put them, a batch
+    per turn of its event loop (one ``call_soon`` for all the decisions of a turn, after the requests
+    that made them have gone on): the values die on the thread and in the turn that made them, the
+    render's code runs warm over the batch, and nothing but bytes crosses to the writer. Rendered on
+    the writer's thread instead, every value lived ~20 ms and crossed cores, and the batch shared the
+    GIL with the loop at saturation (issue #27; ``bench/results/2026-12-07-issue27-render-where.md``).
+    Without a running loop (a script, a test) an item is rendered at once.
+
+    The writer is woken only when a line lands in an empty buffer, and waits ``batch_s`` after each
+    write so that lines arriving meanwhile go out together. A ``queue.Queue`` here cost a lock and a
+    thread wake-up per decision, ~15 % of the sidecar's CPU on small requests at saturation (py-spy,
+    issue #12). The wake-up is a bare lock released by the loop (one C call), not a
+    ``threading.Event``, whose ``set``/``wait``/``clear`` run a Condition's Python code on both threads
+    at each wake-up (issue #27).
     """
+
+    # Lines rendered in one turn of the loop at most: ~1 ms of it (a line is ~5-10 µs in a batch).
+    RENDER_PER_TURN = 128
 
     def __init__(
         self,
@@ -92,16 +103,18 @@ class LineWriter:
         render: Callable[[Any], bytes] | None = None,
     ) -> None:
         self.stream = stream
-        # Dropped lines, one counter per thread that drops (``put``'s caller when the buffer is full,
-        # the writer when a line cannot be rendered or written): each is written by its thread alone,
-        # so no count is lost (one ``+=`` from both threads could lose one); ``dropped`` sums them.
-        self._dropped_full = 0
+        # Dropped lines, one counter per thread that drops (the putting thread when the buffer is full
+        # or a line cannot be rendered, the writer when it cannot write): each is written by its thread
+        # alone, so no count is lost (one ``+=`` from both threads could lose one); ``dropped`` sums them.
+        self._dropped_put = 0
         self._dropped_writer = 0
         self._max_pending = max_pending
         self._batch_s = batch_s
         self._render = render
-        self._lines: collections.deque[Any] = collections.deque()
-        # Locked: nothing to do. ``put`` into an empty buffer (or ``close``) releases it; the writer
+        # Put, not yet rendered (the putting thread's alone), then the rendered bytes for the writer.
+        self._unrendered: list[Any] = []
+        self._lines: collections.deque[bytes] = collections.deque()
+        # Locked: nothing to do. Bytes landing in an empty buffer (or ``close``) release it; the writer
         # takes it before each batch. A line is in the buffer only after a release the writer has
         # not yet taken, or while the writer drains: no wake-up is lost.
         self._wake = threading.Lock()
@@ -111,42 +124,72 @@ class LineWriter:
         self._thread.start()
 
     def put(self, line: Any) -> None:
-        """Queue a line: its bytes, or an item ``render`` turns into them on the writer's thread (it
-        must not change after this call). The sidecar calls it on the event loop's thread alone; a
-        line dropped here is counted by that thread (``_dropped_full``)."""
-        lines = self._lines
-        if len(lines) >= self._max_pending:
-            self._dropped_full += 1
+        """Queue a line: its bytes, or an item ``render`` turns into them (it must not change after
+        this call). Items, and bytes put while items wait, are put by one thread (the sidecar's event
+        loop); bytes alone may come from any. Lines keep the order they were put in."""
+        pending = self._unrendered
+        if len(self._lines) + len(pending) >= self._max_pending:
+            self._dropped_put += 1
             return
+        if type(line) is bytes and not pending:
+            self._append((line,))
+            return
+        pending.append(line)
+        if len(pending) == 1:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop on this thread: rendered now
+                self._render_pending(None)
+                return
+            loop.call_soon(self._render_pending, loop)
+
+    def _render_pending(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Render what waits (on the thread that put it): on ``loop``, at most ``RENDER_PER_TURN`` lines a
+        turn, the rest in the next (a pump that admits a thousand held requests at once does not stall
+        the loop for all their lines); without one, all of it. A line that cannot be rendered is
+        dropped, counted and logged, and the others go on."""
+        pending = self._unrendered
+        if loop is not None and len(pending) > self.RENDER_PER_TURN:
+            pending, self._unrendered = pending[: self.RENDER_PER_TURN], pending[self.RENDER_PER_TURN :]
+            loop.call_soon(self._render_pending, loop)
+        else:
+            self._unrendered = []
+        render = self._render
+        out: list[bytes] = []
+        for item in pending:
+            if type(item) is not bytes and render is not None:
+                try:
+                    item = render(item)
+                except Exception:
+                    self._dropped_put += 1
+                    log.exception("decision log: a line could not be rendered (dropped, counted)")
+                    continue
+            out.append(item)
+        if out:
+            self._append(out)
+
+    def _append(self, out: Iterable[bytes]) -> None:
+        lines = self._lines
         was_empty = not lines
-        lines.append(line)
+        lines.extend(out)
         if was_empty:
             try:  # noqa: SIM105 (contextlib.suppress: a Python-level context manager per wake-up)
                 self._wake.release()
-            except RuntimeError:  # already released (two puts into an empty buffer): the writer is due
+            except RuntimeError:  # already released (two batches into an empty buffer): the writer is due
                 pass
 
     @property
     def dropped(self) -> int:
         """Lines dropped so far: the buffer full, or a line that could not be rendered or written."""
-        return self._dropped_full + self._dropped_writer
+        return self._dropped_put + self._dropped_writer
 
     def _run(self) -> None:
         lines = self._lines
-        render = self._render
         while True:
             self._wake.acquire()
             batch: list[bytes] = []
             while lines:
-                item = lines.popleft()
-                if type(item) is not bytes and render is not None:
-                    try:
-                        item = render(item)
-                    except Exception:  # a line that cannot be written must not stop the ones after it
-                        self._dropped_writer += 1
-                        log.exception("decision log: a line could not be rendered (dropped, counted)")
-                        continue
-                batch.append(item)
+                batch.append(lines.popleft())
             if batch:
                 try:
                     self.stream.write(b"\n".join(batch).decode() + "\n")
@@ -158,7 +201,10 @@ class LineWriter:
             time.sleep(self._batch_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Write what is queued, then stop."""
+        """Write what is queued, then stop. Called by the thread that puts items (what waits to be
+        rendered is rendered here)."""
+        if self._unrendered:
+            self._render_pending(None)
         self._closing = True
         with contextlib.suppress(RuntimeError):  # already released: the writer is due
             self._wake.release()
@@ -297,11 +343,10 @@ class Telemetry:
             self._hold.observe(waited_s)
         # The record is built only when something writes it. To a decision-log file: what it is built
         # from is taken now (the values are frozen; the clock, the lane's state in ``capture``) and the
-        # line is built on the writer's thread (``render_decision``), a batch at a time. Built here, on
-        # the request's path, it cost ~17 µs of a gated request's ~176 (2 cores, in-process), ~3x what
-        # the same calls cost back to back (their code and objects miss the caches between requests);
-        # built in batches, the process spends 4-7 µs less per gated request
-        # (bench/results/2026-12-07-issue27-deferred-line.md).
+        # line is built once the loop's turn is done, with the turn's other lines (``LineWriter``).
+        # Built here, on the request's path, it cost ~17 µs of a gated request's ~176 (2 cores,
+        # in-process), ~3x what the same calls cost back to back: their code and objects miss the
+        # caches between requests (bench/results/2026-12-07-issue27-deferred-line.md).
         if self._writer is not None:
             self._writer.put((d, cost, waited_s, ledger, wall_ts(), self.capture()))
         elif log.isEnabledFor(logging.INFO):
