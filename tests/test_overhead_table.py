@@ -175,3 +175,32 @@ def test_a_misspelt_server_is_refused_with_the_names_there_are(capsys: pytest.Ca
     err = capsys.readouterr().err
     assert "--servers: no server named ngnix" in err
     assert "direct, nginx, sidecar, floor, floor-uvicorn" in err
+
+
+def test_a_misspelt_shape_is_refused_with_the_names_there_are(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        overhead.main(["--shapes", "small,smal", "--floors", "uvicorn"])
+    err = capsys.readouterr().err
+    assert "--shapes: no shape named smal" in err
+    assert "small, small-passthrough, sse, sse-long" in err
+
+
+def test_saturation_measures_only_the_shapes_asked_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--shapes``: the other shapes get no wrk run and no row."""
+    import argparse
+
+    runs: list[str] = []
+
+    def wrk(args, cores, url, script, seconds):  # type: ignore[no-untyped-def]
+        runs.append(url)
+        return {"duration_us": 1e6, "requests": 10, "p50_us": 1, "p99_us": 2, "errors": 0, "status_errors": 0}
+
+    monkeypatch.setattr(overhead, "wrk", wrk)
+    monkeypatch.setattr(overhead, "cpu_seconds", lambda pid: 0.0)
+    args = argparse.Namespace(rounds=1, servers=[], shapes=["small-passthrough"], seconds=1.0)
+    srv = {"sidecar": overhead.Server("sidecar", "http://s", proc=types.SimpleNamespace(pid=1))}  # type: ignore[arg-type]
+    rows = overhead.saturation(args, None, srv, tmp_path)  # type: ignore[arg-type]
+    assert {(r["path"], r["kind"]) for r in rows} == {("sidecar", "small-passthrough")}
+    assert runs and all(u.endswith("/v1/models") for u in runs)
