@@ -1,7 +1,7 @@
 """The decision line's context written from JSON fragments kept per snapshot (``telemetry.context_members``,
 ``telemetry.spliced``): the same bytes as one ``orjson.dumps`` of the record merged with the context's
 dict, whatever the snapshot holds (no engine report, no GPU reading, NaN usage, ages below zero). A
-decision-log file's line is built later, on the writer's thread, from what the decision took by value
+decision-log file's line is built later, after the loop's turn, from what the decision took by value
 (``Telemetry.capture``, ``telemetry.render_decision``): the same bytes as the line of that instant."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_round_ms_is_round_to_three_places(x: float) -> None:
 
 
 def test_a_deferred_line_is_the_lane_at_its_decision(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A decision-log file's line is built on the writer's thread, later (``render_decision``), from
+    """A decision-log file's line is built after the loop's turn, later (``render_decision``), from
     what ``Telemetry.decision`` took at the decision: a snapshot, a held count and a wall clock that
     changed before the writer ran do not reach it. The line is the in-loop line of that instant."""
     import io

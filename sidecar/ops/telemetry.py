@@ -584,8 +584,8 @@ def context_members(c: LogCapture | None) -> tuple[bytes, ...] | None:
 
 
 def render_decision(item: tuple[Decision, Demand, float, LedgerTotals, float, LogCapture | None]) -> bytes:
-    """A decision line from what ``Telemetry.decision`` took at the decision (on the writer's thread:
-    everything in it is frozen or taken by value). The record's JSON with the context's members
+    """A decision line from what ``Telemetry.decision`` took at the decision (later, after the loop's
+    turn: everything in it is frozen or taken by value). The record's JSON with the context's members
     spliced in, or, where orjson refuses a part, the merged dict through ``_line``: the same bytes."""
     d, cost, waited_s, ledger, ts, capture = item
     fields = decision_record(d, cost, waited_s, ledger, {}, ts)
