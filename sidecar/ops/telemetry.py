@@ -92,8 +92,10 @@ class LineWriter:
     at each wake-up (issue #27).
     """
 
-    # Lines rendered in one turn of the loop at most: ~1 ms of it (a line is ~5-10 µs in a batch).
-    RENDER_PER_TURN = 128
+    # Lines rendered in one turn of the loop at most (a line is ~5-20 µs): a timer that comes due while
+    # they render waits ~0.2-0.6 ms for them at most, and 64 streams arriving together (the overhead
+    # benchmark's paced phase) are rendered over two turns, not one.
+    RENDER_PER_TURN = 32
 
     def __init__(
         self,
