@@ -77,9 +77,10 @@ class LineWriter:
 
     Cheap per line: ``put`` takes a line's UTF-8 bytes, or an item that ``render`` turns into them (a
     decision's values, ``render_decision``). Items are rendered on the thread that put them, a batch
-    per turn of its event loop (one ``call_soon`` for all the decisions of a turn, after the requests
-    that made them have gone on): the values die on the thread and in the turn that made them, the
-    render's code runs warm over the batch, and nothing but bytes crosses to the writer. Rendered on
+    per turn of its event loop (one ``call_soon`` for a turn's decisions, ``RENDER_PER_TURN`` at most,
+    once the requests that made them have gone on): the values die on the thread that made them, a
+    turn later, the render's code runs warm over the batch, and nothing but bytes crosses to the
+    writer. Rendered on
     the writer's thread instead, every value lived ~20 ms and crossed cores, and the batch shared the
     GIL with the loop at saturation (issue #27; ``bench/results/2026-12-07-issue27-render-where.md``).
     Without a running loop (a script, a test) an item is rendered at once.
