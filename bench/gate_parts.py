@@ -6,7 +6,7 @@ both through the real app). This script asks a narrower question: how much of th
 every part ran at its best, warm, with nothing between its calls? It builds the app as
 ``gate_profile`` does (the overhead benchmark's policy, a decision log to ``/dev/null``, the engine
 read from ``bench/upstream.py``), then times each step N times in a row with ``time.process_time``
-(both threads: the decision log's line is rendered on its writer's thread) and keeps the cheapest of
+(both threads: the writer's thread writes the lines) and keeps the cheapest of
 ``--repeats`` runs:
 
 - ``parse``: the body to a ``GenerationRequest`` (``parse_generation``, orjson inside);
@@ -15,7 +15,8 @@ read from ``bench/upstream.py``), then times each step N times in a row with ``t
 - ``decide``: the pure decision (``core.decide.decide``) on the situation of the instant;
 - ``situation + decide``: what ``Admission.evaluate`` does (the situation built per decision);
 - ``handle``: a whole admission's bookkeeping: open, submit (decide, charge the ledger, the monitor,
-  the counters, the decision log's line queued), first byte, end (release), with the decision log;
+  the counters, the decision log's line queued and rendered), first byte, end (release), with the
+  decision log;
 - ``handle, no decision log``: the same without a decision-log writer (what the line costs);
 - ``request id``, ``admit headers``: the id a request gets and the three headers an admitted answer
   carries.
@@ -75,6 +76,10 @@ async def _measure(upstream: str, n: int, repeats: int) -> dict[str, float]:
             for name, step in steps.items():
                 out[name] = _cheapest(step, n, repeats)
             assert app.admission.ledger.totals.requests == 0, "every admission was released"
+            writer = app.telemetry._writer
+            # Every line the steps made was rendered within their timed calls (none left for the loop).
+            assert writer is None or not writer._unrendered, "decision lines left unrendered"
+            assert app.telemetry.dropped_log_lines == 0, "a decision line was dropped"
     return out
 
 
@@ -100,11 +105,17 @@ def _steps(app: Any) -> dict[str, Callable[[], Any]]:
     demand = demand_of(a.rules, a.snapshot, req, count, now=a.clock.now(), request_id="r")
     situation = a.situation()
 
+    writer = app.telemetry._writer  # None: no decision log
+
     def handle() -> None:
         with a.open() as h:
             h.submit(demand, lambda h: None)
             h.prefill_done(False)
             h.relayed()
+        if writer is not None:
+            # The loop renders a turn's lines after the turn; this loop gives it none: render the line
+            # here, so that it is in the figure (back to back, as every part here) and none waits.
+            writer.render_waiting()
 
     return {
         "parse": parse,

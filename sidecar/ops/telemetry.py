@@ -79,8 +79,7 @@ class LineWriter:
     decision's values, ``render_decision``). Items are rendered on the thread that put them, a batch
     per turn of its event loop (one ``call_soon`` for a turn's decisions, ``RENDER_PER_TURN`` at most,
     once the requests that made them have gone on): the values die on the thread that made them, a
-    turn later, the render's code runs warm over the batch, and nothing but bytes crosses to the
-    writer. Rendered on
+    turn later, and nothing but bytes crosses to the writer. Rendered on
     the writer's thread instead, every value lived ~20 ms and crossed cores, and the batch shared the
     GIL with the loop at saturation (issue #27; ``bench/results/2026-12-07-issue27-render-where.md``).
     Without a running loop (a script, a test) an item is rendered at once.
@@ -171,6 +170,13 @@ class LineWriter:
         if out:
             self._append(out)
 
+    def render_waiting(self) -> None:
+        """Render what waits now, on this thread, all of it (the loop does it a turn later by itself):
+        for ``close``, and for a caller that puts items without giving its loop a turn (a benchmark's
+        tight loop), whose items would otherwise wait, past ``max_pending``, until it awaits."""
+        if self._unrendered:
+            self._render_pending(None)
+
     def _append(self, out: Iterable[bytes]) -> None:
         lines = self._lines
         was_empty = not lines
@@ -206,8 +212,7 @@ class LineWriter:
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued, then stop. Called by the thread that puts items (what waits to be
         rendered is rendered here)."""
-        if self._unrendered:
-            self._render_pending(None)
+        self.render_waiting()
         self._closing = True
         with contextlib.suppress(RuntimeError):  # already released: the writer is due
             self._wake.release()
