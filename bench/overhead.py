@@ -76,8 +76,6 @@ SSE_EVENTS = 100
 # own work (the intercept). As long as the phase scales with the stream, the streams cut off when wrk
 # stops (CPU spent, no request counted) weigh the same in both shapes.
 SSE_LONG_EVENTS = 400
-# The saturation phase's shapes (``--shapes`` picks some).
-SHAPES = ("small", "small-passthrough", "sse", "sse-long")
 PACED_STREAMS = 64
 PACED_EVENTS_PER_S = 20
 LARGE_TOKENS = {"64k": 65_536, "128k": 131_072, "500k": 500_000}
@@ -345,6 +343,13 @@ SSE_BODY = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_ne
 SSE_LONG_BODY = json.dumps(
     {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": SSE_LONG_EVENTS}}
 )
+# The saturation phase's shapes: path, method, body, events per request (``--shapes`` picks some).
+SHAPES: dict[str, tuple[str, str, str | None, int]] = {
+    "small": ("/generate", "POST", SMALL_BODY, 1),
+    "small-passthrough": ("/v1/models", "GET", None, 0),
+    "sse": (f"/generate?events={SSE_EVENTS}", "POST", SSE_BODY, SSE_EVENTS),
+    "sse-long": (f"/generate?events={SSE_LONG_EVENTS}", "POST", SSE_LONG_BODY, SSE_LONG_EVENTS),
+}
 
 
 def lua_script(tmp: Path, name: str, method: str, body: str | None) -> Path:
@@ -390,14 +395,7 @@ def saturation(
     bench/results/2026-12-07-issue27-lent-quiet.md). Compare trees over several runs. ``speed``: the
     host's speed is read at the start of each round (``bench/host_speed.py``).
     """
-    shapes = {
-        "small": ("/generate", "POST", SMALL_BODY, 1),
-        "small-passthrough": ("/v1/models", "GET", None, 0),
-        "sse": (f"/generate?events={SSE_EVENTS}", "POST", SSE_BODY, SSE_EVENTS),
-        "sse-long": (f"/generate?events={SSE_LONG_EVENTS}", "POST", SSE_LONG_BODY, SSE_LONG_EVENTS),
-    }
-    if args.shapes:
-        shapes = {k: v for k, v in shapes.items() if k in args.shapes}
+    shapes = {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rnd in range(args.rounds):
         if speed is not None:
@@ -834,9 +832,9 @@ def main(argv: list[str] | None = None) -> int:
         "--servers", help="saturation through these only (comma-separated, e.g. sidecar,nginx; default all)"
     )
     ap.add_argument(
-        "--shapes", help="saturation of these shapes only (comma-separated: small, small-passthrough, sse, "
-        "sse-long; default all)",
-    )  # fmt: skip
+        "--shapes",
+        help=f"saturation of these shapes only (comma-separated: {', '.join(SHAPES)}; default all)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be 1 or more, got {args.rounds}")
