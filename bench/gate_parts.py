@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     whole = [k for k in parts if k not in ("decide", "situation + decide", "handle, no decision log")]
     rows = [(k, parts[k]) for k in parts]
     print(f"the gate's parts alone, back to back (µs CPU per call, cheapest of {args.repeats} x {args.n});"
-          f" {platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} cores")  # fmt: skip
+          f" {host_speed.interpreter()}, {os.cpu_count()} cores")  # fmt: skip
     for k, v in rows:
         print(f"  {k:<28} {v:7.2f}")
     # ``handle`` holds the decision (situation + decide); the pieces outside it are summed with it.

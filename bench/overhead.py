@@ -742,7 +742,7 @@ def _errors(r: dict[str, Any]) -> int:
 
 
 def print_table(rows: list[dict], tg: list[dict], lags: dict[str, dict], micro: dict | None) -> None:
-    print(f"\nproxy overhead on {MACHINE}")
+    print(f"\nproxy overhead on {MACHINE}; {host_speed.interpreter()}")
     head = (
         f"{'load':11}{'kind':18}{'path':8}{'req/s':>10}{'ev/s':>10}{'cpu ms/1k req':>14}{'spread':>7}"
         f"{'cpu ms/1k ev':>13}"
@@ -910,7 +910,11 @@ def main(argv: list[str] | None = None) -> int:
         "cores": os.cpu_count(),
         "pinning": vars(cores),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
-        "versions": {**versions, "python": platform.python_version()},
+        "versions": {
+            **versions,
+            "python": platform.python_version(),
+            "interpreter": host_speed.interpreter(),
+        },
         "wall_s": round(time.monotonic() - started, 1),
         "host_speed": speed.as_json(),
         "rows": rows,

@@ -63,3 +63,24 @@ def test_the_goals_table_opens_with_the_warning_only_when_the_host_changed_speed
     lines = capsys.readouterr().out.splitlines()
     heading = next(i for i, ln in enumerate(lines) if ln.startswith("issue #27"))
     assert "NOT MET" in lines[heading + 1]
+
+
+def test_the_interpreter_is_named_with_how_libpython_is_linked(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A table says which CPython ran it: the gate's CPU moves ~10 µs a request between builds
+    (evidence QW1-QW2). Whether libpython is a shared library is read from the process's own mappings."""
+    import platform
+
+    shared = tmp_path / "maps-shared"
+    shared.write_text("7f00-7f01 r-xp 00000000 08:01 42 /usr/local/lib/libpython3.12.so.1.0\n")
+    linked = tmp_path / "maps-linked"
+    linked.write_text("5500-5501 r-xp 00000000 08:01 43 /usr/bin/python3.12\n")
+    monkeypatch.setattr(
+        host_speed.sysconfig, "get_config_var", lambda name: "'--enable-shared' '--enable-optimizations'"
+    )
+    v = platform.python_version()
+    assert host_speed.interpreter(shared) == f"CPython {v} (libpython shared, --enable-optimizations)"
+    monkeypatch.setattr(host_speed.sysconfig, "get_config_var", lambda name: None)
+    assert host_speed.interpreter(linked) == f"CPython {v} (libpython linked in, no --enable-optimizations)"
+    assert (
+        host_speed.interpreter(tmp_path / "absent") == f"CPython {v} (libpython ?, no --enable-optimizations)"
+    )
