@@ -97,11 +97,13 @@ def summary(readings: list[tuple[str, float]]) -> str:
 
 def interpreter(maps: Path = Path("/proc/self/maps")) -> str:
     """Which CPython runs the benchmark, as far as this process can tell: its version; whether libpython is
-    a shared library mapped into it; whether configure was given ``--enable-optimizations`` (PGO). The gate's
-    CPU moves by 5-18 µs a request between builds of one version and by ~10 µs between 3.11 and 3.14
-    (evidence QW1-QW2), and probe readings (``probe``) compare only under one interpreter, so a table names
-    its interpreter. A distribution's PGO build (Debian's, Ubuntu's) does not pass the flag and reads
-    "no --enable-optimizations"; ``maps`` missing (not Linux): "libpython ?"."""
+    a shared library mapped into it; whether configure was given ``--enable-optimizations`` (PGO). A
+    request's CPU, gated or not, moves by 5-18 µs between two builds of 3.11 and the gate's work by ~10 µs
+    between 3.11 and 3.14 (evidence QW2-QW3), and probe readings (``probe``) compare only under one
+    interpreter, so a table names its interpreter. The mappings, not ``Py_ENABLE_SHARED``: Debian's
+    ``/usr/bin/python3`` reports 1 there (it builds the shared library too) yet has libpython linked in. A
+    distribution's PGO build (Debian's, Ubuntu's) does not pass the flag and reads "no
+    --enable-optimizations"; ``maps`` missing (not Linux): "libpython ?"."""
     config = str(sysconfig.get_config_var("CONFIG_ARGS") or "")
     try:
         shared = "libpython" in maps.read_text()
